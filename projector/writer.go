@@ -1,0 +1,638 @@
+package projector
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math/big"
+	"os"
+	"path"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Names of the atomic writer's layout inside a mount directory, the kubelet's
+// (pkg/volume/util/atomic_writer.go).
+const (
+	// DataDirName is the symlink that points at the current version directory.
+	DataDirName = "..data"
+	// dataTmpName is the symlink that is renamed over DataDirName.
+	dataTmpName = "..data_tmp"
+	// versionTimeLayout is the UTC timestamp in a version directory's name.
+	versionTimeLayout = "2006_01_02_15_04_05"
+)
+
+// Errors returned by the AtomicWriter.
+var (
+	// ErrForeignContent means the mount directory holds entries that the
+	// atomic writer did not make; kvmount refuses to write into it.
+	ErrForeignContent = errors.New("directory holds files that kvmount did not write")
+	// ErrDrift means the mount directory no longer matches what was written:
+	// something changed it by hand.
+	ErrDrift = errors.New("mount directory differs from the projected version")
+)
+
+// WriterOptions configure an AtomicWriter.
+type WriterOptions struct {
+	// Sync makes the writer fsync every new file and directory and the mount
+	// directory around the switch, so that a version survives power loss
+	// (medium disk). tmpfs has nothing to sync.
+	Sync bool
+	// DirMode is the permission of version directories and the directories
+	// inside them; zero means 0o755, the kubelet's.
+	DirMode fs.FileMode
+	// DirUID and DirGID own version directories, inner directories and the
+	// visible symlinks; -1 leaves them to kvmount's own user or group.
+	DirUID, DirGID int
+}
+
+// AtomicWriter writes payloads into one mount directory so that readers move
+// from one complete version to the next in a single rename, the kubelet's
+// AtomicWriter with kvmount's improvements. The layout is:
+//
+//	..2026_11_22_01_02_03.123456789/   one version: the files of a payload
+//	..data -> ..2026_11_22_01_02_03.123456789
+//	app.conf -> ..data/app.conf       one symlink per first path element
+//
+// Write proceeds in these steps:
+//
+//  1. Validate every path (CleanPath).
+//  2. Compare the payload with the current version (data, mode, owner). When
+//     nothing changed, only re-create missing visible symlinks and return.
+//  3. Create a new version directory ..<UTC time>.<random>; write files that
+//     changed with exclusive create (never through a symlink), chmod and chown
+//     the open file, fsync it when Sync is set; hard-link unchanged files
+//     from the current version. fsync the new directories.
+//  4. Point ..data_tmp at the new version and rename it over ..data: the one
+//     atomic switch. fsync the mount directory.
+//  5. Create missing visible symlinks, remove visible symlinks no longer in
+//     the payload, remove every other version directory.
+//
+// Every operation goes through an os.Root opened on the mount directory, so
+// nothing outside it is ever created, changed or removed. An AtomicWriter is
+// not safe for concurrent use; one writer owns a mount directory.
+type AtomicWriter struct {
+	dir     string
+	root    *os.Root
+	opts    WriterOptions
+	adopted bool
+	// current is the version on disk, or nil when the directory is empty or
+	// its content is unknown (after drift), which makes the next Write
+	// rewrite every file.
+	current *version
+	uid     int
+	gid     int
+}
+
+// version is one version directory and the payload it holds.
+type version struct {
+	name    string
+	payload Payload
+}
+
+// OpenAtomicWriter returns a writer for the existing directory dir. It reads
+// nothing yet; Adopt or the first Write inspects the directory. The writer
+// holds dir open until Close.
+func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	if opts.DirMode == 0 {
+		opts.DirMode = 0o755
+	}
+	return &AtomicWriter{dir: dir, root: root, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
+}
+
+// Dir returns the mount directory.
+func (w *AtomicWriter) Dir() string { return w.dir }
+
+// Version returns the name of the current version directory, or "" when none
+// is known.
+func (w *AtomicWriter) Version() string {
+	if w.current == nil {
+		return ""
+	}
+	return w.current.name
+}
+
+// Close releases the mount directory.
+func (w *AtomicWriter) Close() error { return w.root.Close() }
+
+// Adopt inspects the mount directory and takes over what a previous run left:
+// it refuses entries the atomic writer would not have made (ErrForeignContent),
+// removes crash leftovers (a stale ..data_tmp, version directories that ..data
+// does not point at) and reads the current version byte for byte. It returns
+// the payload on disk, or nil when the directory is empty or its version is
+// unreadable (the next Write then rewrites everything).
+func (w *AtomicWriter) Adopt() (Payload, error) {
+	entries, err := w.readDir(".")
+	if err != nil {
+		return nil, err
+	}
+	var foreign []string
+	for _, e := range entries {
+		name := e.Name()
+		switch {
+		case name == DataDirName || name == dataTmpName:
+			if e.Type()&fs.ModeSymlink == 0 {
+				foreign = append(foreign, name)
+			}
+		case isVersionName(name):
+			if !e.IsDir() {
+				foreign = append(foreign, name)
+			}
+		case strings.HasPrefix(name, ".."):
+			foreign = append(foreign, name)
+		default:
+			if !w.isVisibleLink(name) {
+				foreign = append(foreign, name)
+			}
+		}
+	}
+	if len(foreign) > 0 {
+		if len(foreign) > 5 {
+			foreign = append(foreign[:5], "...")
+		}
+		return nil, fmt.Errorf("atomic writer: %s: %w: %s", w.dir, ErrForeignContent, strings.Join(foreign, ", "))
+	}
+	current, _ := w.root.Readlink(DataDirName)
+	if !isVersionName(current) {
+		current = ""
+	}
+	if err := w.removeLeftovers(current); err != nil {
+		return nil, err
+	}
+	w.adopted = true
+	w.current = nil
+	if current == "" {
+		return nil, nil
+	}
+	payload, err := w.readVersion(current)
+	if err != nil {
+		// An unreadable version is not an error: the next Write
+		// rewrites every file.
+		return nil, nil
+	}
+	w.current = &version{name: current, payload: payload}
+	return payload, nil
+}
+
+// Write projects payload into the mount directory (see AtomicWriter for the
+// steps) and returns what changed. Nothing is written when data, modes and
+// owners are unchanged. On error the previous version stays in place and
+// visible; a partly built version directory is removed.
+func (w *AtomicWriter) Write(payload Payload) (Change, error) {
+	payload, err := cleanPayload(payload)
+	if err != nil {
+		return Change{}, err
+	}
+	if !w.adopted {
+		if _, err := w.Adopt(); err != nil {
+			return Change{}, err
+		}
+	}
+	var old Payload
+	if w.current != nil {
+		old = w.current.payload
+		if old.Equal(payload) {
+			return Change{}, w.updateVisible(payload)
+		}
+	}
+	change := Diff(old, payload)
+	name, err := w.buildVersion(payload)
+	if err != nil {
+		return Change{}, err
+	}
+	if err := w.switchTo(name); err != nil {
+		_ = w.root.RemoveAll(name)
+		return Change{}, err
+	}
+	w.current = &version{name: name, payload: payload}
+	if err := w.updateVisible(payload); err != nil {
+		return change, err
+	}
+	return change, w.removeLeftovers(name)
+}
+
+// Verify compares the mount directory with the version last written or
+// adopted: ..data, every file's bytes, mode and owner, and the visible
+// symlinks. It returns nil when they match, or an error wrapping ErrDrift
+// that names the first difference; the next Write then rewrites every file.
+func (w *AtomicWriter) Verify() error {
+	if err := w.verify(); err != nil {
+		w.current = nil
+		return fmt.Errorf("atomic writer: %s: %w: %v", w.dir, ErrDrift, err)
+	}
+	return nil
+}
+
+func (w *AtomicWriter) verify() error {
+	if w.current == nil {
+		return errors.New("no known version")
+	}
+	target, err := w.root.Readlink(DataDirName)
+	if err != nil {
+		return err
+	}
+	if target != w.current.name {
+		return fmt.Errorf("%s points at %q, want %q", DataDirName, target, w.current.name)
+	}
+	disk, err := w.readVersion(target)
+	if err != nil {
+		return err
+	}
+	for _, name := range w.current.payload.Paths() {
+		got, ok := disk[name]
+		if !ok {
+			return fmt.Errorf("%s is missing", name)
+		}
+		if !got.Equal(w.current.payload[name]) {
+			return fmt.Errorf("%s differs", name)
+		}
+	}
+	if len(disk) != len(w.current.payload) {
+		return fmt.Errorf("version holds %d files, want %d", len(disk), len(w.current.payload))
+	}
+	want := topLevel(w.current.payload)
+	entries, err := w.readDir(".")
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if name == DataDirName || name == w.current.name {
+			continue
+		}
+		if !want[name] {
+			return fmt.Errorf("unexpected entry %s", name)
+		}
+		if !w.isVisibleLink(name) {
+			return fmt.Errorf("%s is not a symlink to %s/%s", name, DataDirName, name)
+		}
+		delete(want, name)
+	}
+	for name := range want {
+		return fmt.Errorf("visible entry %s is missing", name)
+	}
+	return nil
+}
+
+// Teardown removes everything the writer made: the visible symlinks, ..data,
+// ..data_tmp and every version directory. Foreign entries are left alone.
+// The mount directory itself stays; the caller removes it if it made it.
+func (w *AtomicWriter) Teardown() error {
+	entries, err := w.readDir(".")
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range entries {
+		name := e.Name()
+		var err error
+		switch {
+		case name == DataDirName || name == dataTmpName:
+			err = w.root.Remove(name)
+		case isVersionName(name):
+			err = w.root.RemoveAll(name)
+		case w.isVisibleLink(name):
+			err = w.root.Remove(name)
+		}
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	w.current = nil
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("atomic writer: teardown %s: %w", w.dir, err)
+	}
+	return nil
+}
+
+// buildVersion writes payload into a new version directory and returns its
+// name. Unchanged files are hard-linked from the current version.
+func (w *AtomicWriter) buildVersion(payload Payload) (name string, err error) {
+	name, err = w.mkVersionDir()
+	if err != nil {
+		return "", err
+	}
+	defer func() {
+		if err != nil {
+			_ = w.root.RemoveAll(name)
+		}
+	}()
+	dirs := directories(payload)
+	dirNames := make([]string, 0, len(dirs))
+	for dir := range dirs {
+		dirNames = append(dirNames, dir)
+	}
+	slices.Sort(dirNames) // parents sort before their children
+	for _, dir := range dirNames {
+		if err := w.mkdir(path.Join(name, dir)); err != nil {
+			return "", err
+		}
+	}
+	for _, p := range payload.Paths() {
+		f := payload[p]
+		if w.current != nil {
+			if old, ok := w.current.payload[p]; ok && old.Equal(f) {
+				if w.root.Link(path.Join(w.current.name, p), path.Join(name, p)) == nil {
+					continue
+				}
+				// The old file is gone (drift): write it instead.
+			}
+		}
+		if err := w.writeFile(path.Join(name, p), f); err != nil {
+			return "", err
+		}
+	}
+	if w.opts.Sync {
+		// Children first, so that each directory's entries are durable
+		// before the entry that names the directory.
+		for _, dir := range slices.Backward(dirNames) {
+			if err := w.syncDir(path.Join(name, dir)); err != nil {
+				return "", err
+			}
+		}
+		if err := w.syncDir(name); err != nil {
+			return "", err
+		}
+		if err := w.syncDir("."); err != nil {
+			return "", err
+		}
+	}
+	return name, nil
+}
+
+// mkVersionDir creates a new, empty version directory named
+// ..<UTC time>.<random digits> and returns its name.
+func (w *AtomicWriter) mkVersionDir() (string, error) {
+	stamp := time.Now().UTC().Format(versionTimeLayout)
+	for range 100 {
+		n, err := rand.Int(rand.Reader, big.NewInt(1_000_000_000))
+		if err != nil {
+			return "", fmt.Errorf("atomic writer: %w", err)
+		}
+		name := fmt.Sprintf("..%s.%09d", stamp, n)
+		err = w.mkdir(name)
+		if errors.Is(err, fs.ErrExist) {
+			continue
+		}
+		return name, err
+	}
+	return "", fmt.Errorf("atomic writer: %s: no free version directory name", w.dir)
+}
+
+// mkdir creates one directory with the writer's mode and owner.
+func (w *AtomicWriter) mkdir(name string) error {
+	if err := w.root.Mkdir(name, 0o700); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	d, err := w.root.Open(name)
+	if err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	defer d.Close()
+	if err := d.Chmod(w.opts.DirMode.Perm()); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
+		if err := d.Chown(w.opts.DirUID, w.opts.DirGID); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// writeFile creates name exclusively, so that it never writes through a
+// symlink someone planted, and sets its mode and owner on the open file.
+func (w *AtomicWriter) writeFile(name string, f File) (err error) {
+	fh, err := w.root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	defer func() {
+		if cerr := fh.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("atomic writer: %w", cerr)
+		}
+	}()
+	if _, err := fh.Write(f.Data); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if err := fh.Chmod(f.Mode.Perm()); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if f.UID != w.uid || f.GID != w.gid {
+		if err := fh.Chown(f.UID, f.GID); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	if w.opts.Sync {
+		if err := fh.Sync(); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// switchTo makes name the current version: ..data_tmp is pointed at it and
+// renamed over ..data.
+func (w *AtomicWriter) switchTo(name string) error {
+	if err := w.root.Remove(dataTmpName); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if err := w.root.Symlink(name, dataTmpName); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if err := w.root.Rename(dataTmpName, DataDirName); err != nil {
+		_ = w.root.Remove(dataTmpName)
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if w.opts.Sync {
+		return w.syncDir(".")
+	}
+	return nil
+}
+
+// updateVisible creates a symlink name -> ..data/name for every first path
+// element of payload that lacks one, and removes the writer's symlinks for
+// names no longer in it. An entry that is in the way and is not the writer's
+// symlink is reported as foreign content and left alone.
+func (w *AtomicWriter) updateVisible(payload Payload) error {
+	want := topLevel(payload)
+	entries, err := w.readDir(".")
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		name := e.Name()
+		if strings.HasPrefix(name, "..") {
+			continue
+		}
+		switch {
+		case w.isVisibleLink(name) && want[name]:
+			delete(want, name)
+		case w.isVisibleLink(name):
+			if err := w.root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return fmt.Errorf("atomic writer: %w", err)
+			}
+		case want[name]:
+			return fmt.Errorf("atomic writer: %s: %w: %s is in the way of a visible symlink", w.dir, ErrForeignContent, name)
+		}
+	}
+	names := make([]string, 0, len(want))
+	for name := range want {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		if err := w.root.Symlink(path.Join(DataDirName, name), name); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+		if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
+			if err := w.root.Lchown(name, w.opts.DirUID, w.opts.DirGID); err != nil {
+				return fmt.Errorf("atomic writer: %w", err)
+			}
+		}
+	}
+	return nil
+}
+
+// removeLeftovers removes ..data_tmp and every version directory other than
+// keep: what a crash or an earlier write left behind.
+func (w *AtomicWriter) removeLeftovers(keep string) error {
+	entries, err := w.readDir(".")
+	if err != nil {
+		return err
+	}
+	for _, e := range entries {
+		name := e.Name()
+		var err error
+		switch {
+		case name == dataTmpName:
+			err = w.root.Remove(name)
+		case isVersionName(name) && name != keep:
+			err = w.root.RemoveAll(name)
+		}
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("atomic writer: remove leftover: %w", err)
+		}
+	}
+	return nil
+}
+
+// readVersion reads every file of the version directory name. Anything but
+// regular files and directories inside it is an error.
+func (w *AtomicWriter) readVersion(name string) (Payload, error) {
+	payload := Payload{}
+	err := fs.WalkDir(w.root.FS(), name, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			return nil
+		}
+		if !d.Type().IsRegular() {
+			return fmt.Errorf("%s is not a regular file", p)
+		}
+		info, err := w.root.Lstat(p)
+		if err != nil {
+			return err
+		}
+		data, err := w.root.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		f := File{Data: data, Mode: info.Mode().Perm(), UID: -1, GID: -1}
+		if st, ok := info.Sys().(*syscall.Stat_t); ok {
+			f.UID, f.GID = int(st.Uid), int(st.Gid)
+		}
+		payload[strings.TrimPrefix(p, name+"/")] = f
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: read version: %w", err)
+	}
+	return payload, nil
+}
+
+// isVisibleLink reports whether name is a symlink to ..data/name, as the
+// writer makes them.
+func (w *AtomicWriter) isVisibleLink(name string) bool {
+	target, err := w.root.Readlink(name)
+	return err == nil && target == path.Join(DataDirName, name)
+}
+
+func (w *AtomicWriter) readDir(name string) ([]fs.DirEntry, error) {
+	entries, err := fs.ReadDir(w.root.FS(), name)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	return entries, nil
+}
+
+// syncDir fsyncs the directory name, making its entries durable.
+func (w *AtomicWriter) syncDir(name string) error {
+	d, err := w.root.Open(name)
+	if err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("atomic writer: fsync %s: %w", name, err)
+	}
+	return nil
+}
+
+// cleanPayload validates every path of payload and returns it with cleaned
+// paths. Two paths that clean to the same one, or a path that is both a file
+// and the directory of another ("a" and "a/b"), are errors.
+func cleanPayload(payload Payload) (Payload, error) {
+	cleaned := payload
+	for name := range payload {
+		clean, err := CleanPath(name)
+		if err != nil {
+			return nil, fmt.Errorf("atomic writer: %w", err)
+		}
+		if clean != name {
+			cleaned = nil
+		}
+	}
+	if cleaned == nil {
+		cleaned = make(Payload, len(payload))
+		for name, f := range payload {
+			clean, _ := CleanPath(name)
+			if _, dup := cleaned[clean]; dup {
+				return nil, fmt.Errorf("atomic writer: %w %q: another path cleans to %q too", ErrInvalidPath, name, clean)
+			}
+			cleaned[clean] = f
+		}
+	}
+	return cleaned, checkConflicts(cleaned)
+}
+
+// checkConflicts rejects a payload in which one path is a file and also the
+// directory of another, such as "a" and "a/b".
+func checkConflicts(payload Payload) error {
+	dirs := directories(payload)
+	for name := range payload {
+		if dirs[name] {
+			return fmt.Errorf("atomic writer: %w %q: is both a file and a directory", ErrInvalidPath, name)
+		}
+	}
+	return nil
+}
+
+// isVersionName reports whether name has the form of a version directory,
+// ..2006_01_02_15_04_05.<suffix>.
+func isVersionName(name string) bool {
+	stampLen := len(versionTimeLayout)
+	if len(name) < 2+stampLen+2 || !strings.HasPrefix(name, "..") || name[2+stampLen] != '.' {
+		return false
+	}
+	_, err := time.Parse(versionTimeLayout, name[2:2+stampLen])
+	return err == nil
+}
