@@ -1,0 +1,391 @@
+// Package config reads kvmount's TOML configuration file (schema v1, see
+// DESIGN.md): global settings, [sources.NAME] tables decoded by their source
+// kind, and [[mount]] tables. Decoding is strict and reports every problem
+// at once, each with file and line.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"os/user"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/kvmount/kvmount/projector"
+)
+
+// Defaults of the global settings.
+const (
+	DefaultPath           = "/etc/kvmount/kvmount.toml"
+	DefaultStateDir       = "/var/lib/kvmount"
+	DefaultResyncInterval = 2 * time.Minute
+	// DefaultMode is the kubelet's default file mode for ConfigMap volumes.
+	DefaultMode fs.FileMode = 0o644
+)
+
+// Medium names.
+const (
+	MediumDisk  = "disk"
+	MediumTmpfs = "tmpfs"
+)
+
+// Config is a decoded, validated configuration file.
+type Config struct {
+	// Path is the file it was read from.
+	Path string
+	// StateDir holds kvmount's record of the mounts it owns.
+	StateDir string
+	// LogLevel is the lowest level logged.
+	LogLevel slog.Level
+	// LogFormat is "text" or "json".
+	LogFormat string
+	// ResyncInterval is how often every mount is compared with the disk to
+	// repair drift (a file removed by hand). Changes from sources never
+	// wait for it.
+	ResyncInterval time.Duration
+	// Sources by name.
+	Sources map[string]*Source
+	// Mounts in file order.
+	Mounts []*Mount
+}
+
+// Source is one [sources.NAME] table.
+type Source struct {
+	Name string
+	// Type is the source kind: "etcd", "consul", "http".
+	Type string
+	// Settings is what the kind's decoder returned.
+	Settings any
+}
+
+// Mount is one [[mount]] table.
+type Mount struct {
+	// Name is unique; [a-z0-9][a-z0-9_.-]*.
+	Name string
+	// Dir is the absolute, clean directory kvmount owns and fills.
+	Dir string
+	// Medium is MediumDisk or MediumTmpfs.
+	Medium string
+	// SizeLimit is the tmpfs size in bytes; 0 when not set.
+	SizeLimit int64
+	// DefaultMode is the permission of files without an item mode.
+	DefaultMode fs.FileMode
+	// UID and GID own the mount's files and directories; -1 means
+	// kvmount's own user or group.
+	UID, GID int
+	// Optional makes a missing prefix or item no error.
+	Optional bool
+	// Projections contribute keys; the single-projection shorthand
+	// (source, prefix, items) becomes one.
+	Projections []Projection
+}
+
+// Projection is one source and prefix of a mount.
+type Projection struct {
+	Source string
+	Prefix string
+	// Optional makes a missing prefix or item of this projection no error.
+	Optional bool
+	// Items, when not nil, choose the keys projected.
+	Items []Item
+}
+
+// Item maps one key (relative to the prefix) to a path.
+type Item struct {
+	Key  string
+	Path string
+	// Mode is zero for the mount's default mode.
+	Mode     fs.FileMode
+	Optional bool
+}
+
+// SourceDecoder decodes and validates a [sources.NAME] table of one source
+// kind, reporting every problem through sec (Section.Errorf) and asking for
+// every key it knows, so that Load can report the rest as unknown.
+type SourceDecoder func(sec *Section) any
+
+// Load reads and validates the configuration file at path; kinds maps each
+// source type to its decoder. Problems in the file are returned together as
+// an ErrorList.
+func Load(path string, kinds map[string]SourceDecoder) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	return Parse(path, data, kinds)
+}
+
+// Parse is Load for a file already read; name is used in errors.
+func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, error) {
+	var raw map[string]any
+	if _, err := toml.Decode(string(data), &raw); err != nil {
+		var perr toml.ParseError
+		if errors.As(err, &perr) {
+			return nil, ErrorList{{File: name, Line: perr.Position.Line, Msg: perr.Message}}
+		}
+		return nil, ErrorList{{File: name, Msg: err.Error()}}
+	}
+	doc := &document{file: name, lines: locateKeys(string(data))}
+	top := newSection(doc, nil, "", raw)
+	cfg := &Config{Path: name, Sources: map[string]*Source{}}
+	cfg.StateDir = top.String("state_dir", DefaultStateDir)
+	if !filepath.IsAbs(cfg.StateDir) {
+		top.Errorf("state_dir", "%q is not an absolute path", cfg.StateDir)
+	}
+	cfg.StateDir = filepath.Clean(cfg.StateDir)
+	level := top.Choice("log_level", "info", "debug", "info", "warn", "error")
+	_ = cfg.LogLevel.UnmarshalText([]byte(level))
+	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
+	cfg.ResyncInterval = top.Duration("resync_interval", DefaultResyncInterval)
+
+	sources := top.Table("sources")
+	for _, name := range sources.Keys() {
+		sec := sources.Table(name)
+		if !validName.MatchString(name) {
+			sec.Errorf("", "source name %q must match %s", name, validName)
+		}
+		typ := sec.String("type", "")
+		decode, ok := kinds[typ]
+		switch {
+		case typ == "":
+			sec.Errorf("", "type is missing; want one of %s", kindList(kinds))
+		case !ok:
+			sec.Errorf("type", "unknown source type %q; want one of %s", typ, kindList(kinds))
+		default:
+			cfg.Sources[name] = &Source{Name: name, Type: typ, Settings: decode(sec)}
+		}
+		if ok || typ == "" {
+			sec.Done()
+		}
+	}
+	sources.Done()
+
+	mounts := top.Tables("mount")
+	for _, sec := range mounts {
+		cfg.Mounts = append(cfg.Mounts, decodeMount(sec, cfg))
+	}
+	top.Done()
+	checkMounts(mounts, cfg)
+	if len(doc.errs) > 0 {
+		slices.SortStableFunc(doc.errs, func(a, b *Error) int { return a.Line - b.Line })
+		return nil, doc.errs
+	}
+	return cfg, nil
+}
+
+// validName is the form of mount and source names.
+var validName = regexp.MustCompile(`^[a-z0-9][a-z0-9_.-]*$`)
+
+func kindList(kinds map[string]SourceDecoder) string {
+	names := make([]string, 0, len(kinds))
+	for k := range kinds {
+		names = append(names, fmt.Sprintf("%q", k))
+	}
+	slices.Sort(names)
+	return strings.Join(names, ", ")
+}
+
+func decodeMount(sec *Section, cfg *Config) *Mount {
+	defer sec.Done()
+	m := &Mount{UID: -1, GID: -1}
+	m.Name = sec.String("name", "")
+	switch {
+	case m.Name == "":
+		sec.Errorf("", "name is missing")
+	case !validName.MatchString(m.Name):
+		sec.Errorf("name", "%q must match %s", m.Name, validName)
+	}
+	m.Dir = sec.String("dir", "")
+	if m.Dir == "" {
+		sec.Errorf("", "dir is missing")
+	} else if err := checkDir(m.Dir); err != nil {
+		sec.Errorf("dir", "%v", err)
+	}
+	m.Dir = filepath.Clean(m.Dir)
+	m.Medium = sec.Choice("medium", MediumDisk, MediumDisk, MediumTmpfs)
+	if m.Medium == MediumTmpfs {
+		sec.Errorf("medium", "medium \"tmpfs\" is not supported yet; use \"disk\"")
+	}
+	if sec.Has("size_limit") {
+		m.SizeLimit = sec.Size("size_limit", 0)
+		if m.Medium != MediumTmpfs {
+			sec.Errorf("size_limit", "applies to medium \"tmpfs\" only")
+		}
+	}
+	m.DefaultMode = sec.Mode("default_mode", DefaultMode)
+	m.UID = lookupID(sec, "user", lookupUser)
+	m.GID = lookupID(sec, "group", lookupGroup)
+	m.Optional = sec.Bool("optional", false)
+
+	paths := map[string]bool{} // item paths of all projections
+	shorthand := sec.Has("source") || sec.Has("prefix") || sec.Has("items")
+	if sec.Has("projections") {
+		if shorthand {
+			sec.Errorf("projections", "a mount uses either source/prefix/items or [[mount.projections]], not both")
+		}
+		for _, psec := range sec.Tables("projections") {
+			m.Projections = append(m.Projections, decodeProjection(psec, cfg, m.Optional, paths))
+			psec.Done()
+		}
+		if len(m.Projections) == 0 {
+			sec.Errorf("projections", "needs at least one projection")
+		}
+	} else if shorthand {
+		m.Projections = []Projection{decodeProjection(sec, cfg, m.Optional, paths)}
+	} else {
+		sec.Errorf("", "source is missing: set source and prefix, or [[mount.projections]]")
+	}
+	return m
+}
+
+// decodeProjection decodes one projection; paths collects the item paths of
+// the mount's projections, to reject two items producing one path.
+func decodeProjection(sec *Section, cfg *Config, optional bool, paths map[string]bool) Projection {
+	p := Projection{Optional: optional}
+	p.Source = sec.String("source", "")
+	switch _, ok := cfg.Sources[p.Source]; {
+	case p.Source == "":
+		sec.Errorf("", "source is missing")
+	case !ok:
+		sec.Errorf("source", "unknown source %q; declare it as [sources.%s]", p.Source, p.Source)
+	}
+	p.Prefix = sec.String("prefix", "")
+	if sec.Has("optional") {
+		p.Optional = sec.Bool("optional", optional)
+	}
+	if sec.Has("items") {
+		p.Items = []Item{}
+		for _, isec := range sec.Tables("items") {
+			it := Item{Optional: false}
+			it.Key = isec.String("key", "")
+			if it.Key == "" {
+				isec.Errorf("", "key is missing")
+			}
+			it.Path = isec.String("path", "")
+			if it.Path == "" {
+				isec.Errorf("", "path is missing")
+			} else if clean, err := projector.CleanPath(it.Path); err != nil {
+				isec.Errorf("path", "%v", err)
+			} else if paths[clean] {
+				isec.Errorf("path", "%q produces the path %q of another item", it.Path, clean)
+			} else {
+				paths[clean] = true
+			}
+			it.Mode = isec.Mode("mode", 0)
+			it.Optional = isec.Bool("optional", false)
+			isec.Done()
+			p.Items = append(p.Items, it)
+		}
+	}
+	return p
+}
+
+// systemDirs are directories kvmount refuses to own: a mount's content
+// replaces what is there.
+var systemDirs = []string{
+	"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+	"/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp",
+	"/usr", "/usr/bin", "/usr/lib", "/usr/lib64", "/usr/local", "/usr/local/bin",
+	"/usr/sbin", "/usr/share", "/var", "/var/cache", "/var/lib", "/var/log", "/var/run",
+	"/var/tmp", "/var/spool", "/etc/systemd", "/etc/ssl", "/etc/kvmount",
+}
+
+// checkDir rejects a mount dir that is not absolute, is a system directory
+// or lies in a pseudo file system.
+func checkDir(dir string) error {
+	if !filepath.IsAbs(dir) {
+		return fmt.Errorf("%q is not an absolute path", dir)
+	}
+	clean := filepath.Clean(dir)
+	if slices.Contains(systemDirs, clean) {
+		return fmt.Errorf("%q is a system directory; kvmount would replace its content", clean)
+	}
+	for _, pseudo := range []string{"/proc", "/sys", "/dev"} {
+		if strings.HasPrefix(clean, pseudo+"/") {
+			return fmt.Errorf("%q lies in %s", clean, pseudo)
+		}
+	}
+	return nil
+}
+
+// checkMounts rejects duplicate names and dirs, nested mount dirs, and mount
+// dirs that overlap the state directory.
+func checkMounts(mounts []*Section, cfg *Config) {
+	names := map[string]int{}
+	for i, m := range cfg.Mounts {
+		sec := mounts[i]
+		if j, dup := names[m.Name]; dup && m.Name != "" {
+			sec.Errorf("name", "mount name %q is already used by mount[%d]", m.Name, j)
+		}
+		names[m.Name] = i
+		if checkDir(m.Dir) != nil {
+			continue // already reported
+		}
+		if within(m.Dir, cfg.StateDir) || within(cfg.StateDir, m.Dir) {
+			sec.Errorf("dir", "%q overlaps state_dir %q", m.Dir, cfg.StateDir)
+		}
+		for j, o := range cfg.Mounts[:i] {
+			if checkDir(o.Dir) != nil {
+				continue
+			}
+			switch {
+			case o.Dir == m.Dir:
+				sec.Errorf("dir", "%q is already the dir of mount[%d] (%s)", m.Dir, j, o.Name)
+			case within(m.Dir, o.Dir) || within(o.Dir, m.Dir):
+				sec.Errorf("dir", "%q and the dir of mount[%d] (%s), %q, are nested", m.Dir, j, o.Name, o.Dir)
+			}
+		}
+	}
+}
+
+// within reports whether dir lies inside parent or is parent.
+func within(dir, parent string) bool {
+	return dir == parent || strings.HasPrefix(dir, strings.TrimSuffix(parent, "/")+"/")
+}
+
+// lookupID resolves the user or group name or numeric id at key; -1 when it
+// is not set.
+func lookupID(sec *Section, key string, lookup func(string) (int, error)) int {
+	v := sec.String(key, "")
+	if v == "" {
+		return -1
+	}
+	if n, err := strconv.Atoi(v); err == nil {
+		if n < 0 {
+			sec.Errorf(key, "id %d is negative", n)
+			return -1
+		}
+		return n
+	}
+	id, err := lookup(v)
+	if err != nil {
+		sec.Errorf(key, "%v", err)
+		return -1
+	}
+	return id
+}
+
+func lookupUser(name string) (int, error) {
+	u, err := user.Lookup(name)
+	if err != nil {
+		return -1, err
+	}
+	return strconv.Atoi(u.Uid)
+}
+
+func lookupGroup(name string) (int, error) {
+	g, err := user.LookupGroup(name)
+	if err != nil {
+		return -1, err
+	}
+	return strconv.Atoi(g.Gid)
+}

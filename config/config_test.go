@@ -1,0 +1,381 @@
+package config
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// testKinds is a stand-in source kind with one known key.
+var testKinds = map[string]SourceDecoder{
+	"fake": func(sec *Section) any { return sec.String("endpoint", "") },
+}
+
+const validConfig = `
+state_dir = "/var/lib/kvmount-test"
+log_level = "debug"
+log_format = "json"
+resync_interval = "1m"
+
+[sources.main]
+type = "fake"
+endpoint = "e"
+
+[[mount]]
+name = "app"
+dir = "/srv/app/config"
+default_mode = "0640"
+source = "main"
+prefix = "/apps/app/"
+
+  [[mount.items]]
+  key = "db/password"
+  path = "secrets/db-password"
+  mode = "0400"
+
+  [[mount.items]]
+  key = "app.conf"
+  path = "app.conf"
+  optional = true
+
+[[mount]]
+name = "bundle"
+dir = "/srv/bundle"
+optional = true
+  [[mount.projections]]
+  source = "main"
+  prefix = "/shared/"
+  [[mount.projections]]
+  source = "main"
+  prefix = "/more/"
+  optional = false
+`
+
+func TestParseValid(t *testing.T) {
+	cfg, err := Parse("kvmount.toml", []byte(validConfig), testKinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.StateDir != "/var/lib/kvmount-test" || cfg.LogFormat != "json" || cfg.LogLevel.String() != "DEBUG" || cfg.ResyncInterval != time.Minute {
+		t.Errorf("globals = %q %q %v %v", cfg.StateDir, cfg.LogFormat, cfg.LogLevel, cfg.ResyncInterval)
+	}
+	if got := cfg.Sources["main"]; got == nil || got.Type != "fake" || got.Settings != "e" {
+		t.Errorf("source main = %+v", got)
+	}
+	if len(cfg.Mounts) != 2 {
+		t.Fatalf("got %d mounts; want 2", len(cfg.Mounts))
+	}
+	app := cfg.Mounts[0]
+	if app.Name != "app" || app.Dir != "/srv/app/config" || app.Medium != MediumDisk || app.DefaultMode != 0o640 || app.UID != -1 {
+		t.Errorf("mount app = %+v", app)
+	}
+	wantItems := []Item{{Key: "db/password", Path: "secrets/db-password", Mode: 0o400}, {Key: "app.conf", Path: "app.conf", Optional: true}}
+	if len(app.Projections) != 1 || app.Projections[0].Prefix != "/apps/app/" || len(app.Projections[0].Items) != 2 ||
+		app.Projections[0].Items[0] != wantItems[0] || app.Projections[0].Items[1] != wantItems[1] {
+		t.Errorf("mount app projections = %+v", app.Projections)
+	}
+	bundle := cfg.Mounts[1]
+	if len(bundle.Projections) != 2 || !bundle.Projections[0].Optional || bundle.Projections[1].Optional || bundle.DefaultMode != DefaultMode {
+		t.Errorf("mount bundle = %+v", bundle)
+	}
+}
+
+func TestParseDefaults(t *testing.T) {
+	cfg, err := Parse("k.toml", []byte("[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"m\"\ndir = \"/srv/m\"\nsource = \"s\"\n"), testKinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.StateDir != DefaultStateDir || cfg.LogFormat != "text" || cfg.LogLevel.String() != "INFO" || cfg.ResyncInterval != DefaultResyncInterval {
+		t.Errorf("defaults = %+v", cfg)
+	}
+	if m := cfg.Mounts[0]; m.DefaultMode != 0o644 || m.Medium != "disk" || m.Projections[0].Items != nil {
+		t.Errorf("mount defaults = %+v", m)
+	}
+}
+
+// TestParseErrors checks that each problem is reported with its line, and
+// that several problems are reported at once.
+func TestParseErrors(t *testing.T) {
+	head := "[sources.s]\ntype = \"fake\"\n" // lines 1-2
+	tests := []struct {
+		name string
+		toml string
+		want []string // each must appear, in this order
+	}{
+		{name: "syntax", toml: "a = \n", want: []string{"k.toml:1: "}},
+		{name: "unknown top key", toml: "stat_dir = \"/x\"\n" + head, want: []string{`k.toml:1: stat_dir: unknown key (did you mean "state_dir"?)`}},
+		{name: "prefix typo in second mount", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+prefix = "/a/"
+
+[[mount]]
+name = "b"
+dir = "/srv/b"
+source = "s"
+prefx = "/b/"
+`, want: []string{`k.toml:14: mount[1].prefx: unknown key (did you mean "prefix"?)`}},
+		{name: "unknown key in item", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+  [[mount.items]]
+  key = "k"
+  path = "p"
+  [[mount.items]]
+  key = "k2"
+  pth = "p2"
+`, want: []string{`k.toml:11: mount[0].items[1]: path is missing`, `k.toml:13: mount[0].items[1].pth: unknown key (did you mean "path"?)`}},
+		{name: "unknown key in source", toml: "[sources.s]\ntype = \"fake\"\nendpont = \"x\"\n", want: []string{`k.toml:3: sources.s.endpont: unknown key (did you mean "endpoint"?)`}},
+		{name: "unknown source type", toml: "[sources.s]\ntype = \"zookeeper\"\n", want: []string{`k.toml:2: sources.s.type: unknown source type "zookeeper"; want one of "fake"`}},
+		{name: "missing source type", toml: "[sources.s]\nendpoint = \"x\"\n", want: []string{`k.toml:1: sources.s: type is missing`}},
+		{name: "wrong types", toml: head + `
+[[mount]]
+name = 5
+dir = "/srv/a"
+source = "s"
+optional = "yes"
+`, want: []string{`k.toml:5: mount[0].name: want a string, got an integer`, `k.toml:8: mount[0].optional: want true or false, got a string`}},
+		{name: "bad duration, mode, size, level", toml: `resync_interval = "10 minutes"
+log_level = "loud"
+` + head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+default_mode = "0999"
+size_limit = "lots"
+`, want: []string{
+			`k.toml:1: resync_interval: bad duration "10 minutes"`,
+			`k.toml:2: log_level: "loud" is not one of debug, info, warn, error`,
+			`k.toml:10: mount[0].default_mode: bad mode "0999"`,
+			`k.toml:11: mount[0].size_limit: bad size "lots"`,
+			`k.toml:11: mount[0].size_limit: applies to medium "tmpfs" only`,
+		}},
+		{name: "mode beyond 0777", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\ndefault_mode = \"4755\"\n", want: []string{`k.toml:7: mount[0].default_mode: mode 04755 has bits beyond 0777`}},
+		{name: "duplicate names and dirs", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+[[mount]]
+name = "a"
+dir = "/srv/a/"
+source = "s"
+`, want: []string{`k.toml:9: mount[1].name: mount name "a" is already used by mount[0]`, `k.toml:10: mount[1].dir: "/srv/a" is already the dir of mount[0] (a)`}},
+		{name: "nested dirs", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+[[mount]]
+name = "b"
+dir = "/srv/a/b"
+source = "s"
+`, want: []string{`k.toml:10: mount[1].dir: "/srv/a/b" and the dir of mount[0] (a), "/srv/a", are nested`}},
+		{name: "unknown source", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"nope\"\n", want: []string{`k.toml:6: mount[0].source: unknown source "nope"`}},
+		{name: "relative dir", toml: head + "[[mount]]\nname = \"a\"\ndir = \"srv/a\"\nsource = \"s\"\n", want: []string{`k.toml:5: mount[0].dir: "srv/a" is not an absolute path`}},
+		{name: "system roots", toml: head + `
+[[mount]]
+name = "a"
+dir = "/"
+source = "s"
+[[mount]]
+name = "b"
+dir = "/etc"
+source = "s"
+[[mount]]
+name = "c"
+dir = "/usr/"
+source = "s"
+[[mount]]
+name = "d"
+dir = "/var"
+source = "s"
+[[mount]]
+name = "e"
+dir = "/boot"
+source = "s"
+`, want: []string{`k.toml:6: mount[0].dir: "/" is a system directory`, `k.toml:10: mount[1].dir: "/etc" is a system directory`,
+			`k.toml:14: mount[2].dir: "/usr" is a system directory`, `k.toml:18: mount[3].dir: "/var" is a system directory`, `k.toml:22: mount[4].dir: "/boot" is a system directory`}},
+		{name: "source and projections", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+  [[mount.projections]]
+  source = "s"
+`, want: []string{`k.toml:8: mount[0].projections: a mount uses either source/prefix/items or [[mount.projections]], not both`}},
+		{name: "no source at all", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\n", want: []string{`k.toml:3: mount[0]: source is missing`}},
+		{name: "tmpfs not yet", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nmedium = \"tmpfs\"\n", want: []string{`k.toml:7: mount[0].medium: medium "tmpfs" is not supported yet`}},
+		{name: "bad medium", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nmedium = \"ramdisk\"\n", want: []string{`k.toml:7: mount[0].medium: "ramdisk" is not one of disk, tmpfs`}},
+		{name: "bad name", toml: head + "[[mount]]\nname = \"App Config\"\ndir = \"/srv/a\"\nsource = \"s\"\n", want: []string{`k.toml:4: mount[0].name: "App Config" must match`}},
+		{name: "bad item path", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+source = "s"
+  [[mount.items]]
+  key = "k"
+  path = "../escape"
+`, want: []string{`k.toml:10: mount[0].items[0].path: invalid path "../escape": must not start with '..'`}},
+		{name: "two items same path", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a"
+  [[mount.projections]]
+  source = "s"
+    [[mount.projections.items]]
+    key = "k"
+    path = "same"
+  [[mount.projections]]
+  source = "s"
+    [[mount.projections.items]]
+    key = "j"
+    path = "./same"
+`, want: []string{`k.toml:16: mount[0].projections[1].items[0].path: "./same" produces the path "same" of another item`}},
+		{name: "unknown user", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nuser = \"no-such-user-kvmount\"\n", want: []string{`k.toml:7: mount[0].user: user: unknown user no-such-user-kvmount`}},
+		{name: "mount overlaps state dir", toml: "state_dir = \"/srv/state\"\n" + head + "[[mount]]\nname = \"a\"\ndir = \"/srv/state/a\"\nsource = \"s\"\n", want: []string{`k.toml:6: mount[0].dir: "/srv/state/a" overlaps state_dir`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse("k.toml", []byte(tt.toml), testKinds)
+			var list ErrorList
+			if !errors.As(err, &list) {
+				t.Fatalf("Parse error = %v; want an ErrorList", err)
+			}
+			msg := err.Error()
+			rest := msg
+			for _, want := range tt.want {
+				i := strings.Index(rest, want)
+				if i < 0 {
+					t.Fatalf("errors:\n%s\nwant (in order) %q", msg, want)
+				}
+				rest = rest[i+len(want):]
+			}
+		})
+	}
+}
+
+func TestLoadReadsFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kvmount.toml")
+	if err := os.WriteFile(path, []byte(validConfig), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Load(path, testKinds); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Load(path+".missing", testKinds); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("Load(missing) = %v; want ErrNotExist", err)
+	}
+}
+
+func TestLocateKeys(t *testing.T) {
+	src := `# comment [[mount]]
+a = """
+[[mount]]
+b = 1
+"""
+s = 'it"s' # not a key = here
+arr = [
+  1, # x = 2
+  { k = "v", n = { m = 1 } },
+]
+"quoted.key" = true
+dotted.key = 3
+[[mount]] # first
+name = "x"
+  [[mount.items]]
+  key = "k"
+  [mount.tls]
+  ca_file = "c"
+[[mount]]
+name = '''y
+'''
+  [[mount.items]]
+  key = "k0"
+  [[mount.items]]
+  key = "k1"
+[sources."my.src"]
+type = "etcd"
+lit = '''a''''
+after = 1
+`
+	lines := locateKeys(src)
+	tests := []struct {
+		path []string
+		want int
+	}{
+		{[]string{"a"}, 2},
+		{[]string{"s"}, 6},
+		{[]string{"arr"}, 7},
+		{[]string{"arr", "1", "k"}, 9},
+		{[]string{"arr", "1", "n", "m"}, 9},
+		{[]string{"quoted.key"}, 11},
+		{[]string{"dotted"}, 12},
+		{[]string{"dotted", "key"}, 12},
+		{[]string{"mount", "0"}, 13},
+		{[]string{"mount", "0", "name"}, 14},
+		{[]string{"mount", "0", "items", "0", "key"}, 16},
+		{[]string{"mount", "0", "tls", "ca_file"}, 18},
+		{[]string{"mount", "1", "name"}, 20},
+		{[]string{"mount", "1", "items", "0", "key"}, 23},
+		{[]string{"mount", "1", "items", "1", "key"}, 25},
+		{[]string{"sources", "my.src", "type"}, 27},
+		{[]string{"sources", "my.src", "after"}, 29},
+	}
+	for _, tt := range tests {
+		if got := lines[pathKey(tt.path)]; got != tt.want {
+			t.Errorf("line of %q = %d; want %d", tt.path, got, tt.want)
+		}
+	}
+	if _, ok := lines[pathKey([]string{"b"})]; ok {
+		t.Errorf("a key inside a multi-line string was recorded")
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]int64{"1": 1, "512B": 512, "16KiB": 16 << 10, "16MiB": 16 << 20, "2GiB": 2 << 30, " 4 MiB ": 4 << 20} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "0", "-1MiB", "1MB", "lots", "99999999999GiB"} {
+		if _, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) succeeded; want an error", in)
+		}
+	}
+}
+
+// FuzzParse feeds arbitrary files to Parse: it must never panic, and must
+// return either a config or an ErrorList whose errors name the file.
+func FuzzParse(f *testing.F) {
+	f.Add(validConfig)
+	f.Add("[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"a\"\n")
+	f.Add("a = [\n{ b = 1 },\n]\n[[x]]\n[[x.y]]\nz = '''\n'''\n")
+	f.Fuzz(func(t *testing.T, src string) {
+		cfg, err := Parse("f.toml", []byte(src), testKinds)
+		if err == nil {
+			if cfg == nil {
+				t.Fatal("nil config without error")
+			}
+			return
+		}
+		var list ErrorList
+		if !errors.As(err, &list) || len(list) == 0 {
+			t.Fatalf("error %v is not a non-empty ErrorList", err)
+		}
+		for _, e := range list {
+			if e.File != "f.toml" {
+				t.Fatalf("error %v does not name the file", e)
+			}
+		}
+	})
+}

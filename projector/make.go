@@ -1,0 +1,153 @@
+package projector
+
+import (
+	"fmt"
+	"io/fs"
+	"path"
+	"slices"
+	"strings"
+)
+
+// Projection is one source and prefix contributing keys to a mount, together
+// with the data the source holds under the prefix.
+type Projection struct {
+	// Source is the source's configured name, for errors.
+	Source string
+	// Prefix is the key prefix; keys in Entries are relative to it.
+	Prefix string
+	// Items, when not nil, map chosen keys to paths; only they are projected.
+	Items []Item
+	// Optional makes a missing prefix or item key an empty contribution
+	// rather than an error.
+	Optional bool
+	// Missing reports that the prefix does not exist in the source.
+	Missing bool
+	// Entries maps keys relative to Prefix to their values.
+	Entries map[string][]byte
+}
+
+// Item maps one key to a path, the kubelet's KeyToPath.
+type Item struct {
+	// Key is relative to the projection's prefix.
+	Key string
+	// Path is where the value lands, relative to the mount.
+	Path string
+	// Mode is the file's permission; zero means the mount's default.
+	Mode fs.FileMode
+	// Optional makes a missing key no error.
+	Optional bool
+}
+
+// Defaults are the mount-wide file settings.
+type Defaults struct {
+	// Mode is the permission of files without an item mode (kubelet: 0644).
+	Mode fs.FileMode
+	// UID and GID own every file.
+	UID, GID int
+}
+
+// KeyError reports a key that cannot be projected, such as one whose path
+// would leave the mount. The key is skipped; the rest of the mount is
+// projected.
+type KeyError struct {
+	Source string // source name
+	Key    string // the full key: prefix + relative key
+	Mount  string // mount name
+	Err    error
+}
+
+func (e *KeyError) Error() string {
+	return fmt.Sprintf("source %q key %q in mount %q: %v", e.Source, e.Key, e.Mount, e.Err)
+}
+
+func (e *KeyError) Unwrap() error { return e.Err }
+
+// MakePayload builds the payload of mount from its projections with the
+// kubelet's MakePayload rules: a projection without items contributes every
+// key, the key minus the prefix being the path; with items only those keys,
+// at their paths and modes. Keys ending in "/" (directory markers, as Consul
+// folders) and the prefix itself are skipped.
+//
+// A key whose path is invalid (CleanPath) or collides with another key's
+// file or directory is skipped and reported as a *KeyError. The returned
+// error is for what fails the whole mount: a missing prefix or item key that
+// is not optional, or two projections producing the same path.
+func MakePayload(mount string, projections []Projection, defaults Defaults) (Payload, []*KeyError, error) {
+	payload := Payload{}
+	owner := map[string]string{} // path → source and key that produced it
+	dirs := map[string]bool{}    // directories that payload's paths need
+	var rejected []*KeyError
+	for _, pr := range projections {
+		if pr.Missing {
+			if pr.Optional {
+				continue
+			}
+			return nil, nil, fmt.Errorf("mount %q: source %q: prefix %q does not exist", mount, pr.Source, pr.Prefix)
+		}
+		add := func(key, p string, mode fs.FileMode, value []byte) error {
+			clean, err := CleanPath(p)
+			if err == nil {
+				err = placeable(payload, dirs, clean)
+			}
+			if err != nil {
+				rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount, Err: err})
+				return nil
+			}
+			if by, dup := owner[clean]; dup {
+				return fmt.Errorf("mount %q: path %q comes from both %s and source %q key %q", mount, clean, by, pr.Source, pr.Prefix+key)
+			}
+			owner[clean] = fmt.Sprintf("source %q key %q", pr.Source, pr.Prefix+key)
+			if mode == 0 {
+				mode = defaults.Mode
+			}
+			payload[clean] = File{Data: value, Mode: mode.Perm(), UID: defaults.UID, GID: defaults.GID}
+			for dir := path.Dir(clean); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
+				dirs[dir] = true
+			}
+			return nil
+		}
+		if pr.Items == nil {
+			keys := make([]string, 0, len(pr.Entries))
+			for key := range pr.Entries {
+				if key != "" && !strings.HasSuffix(key, "/") {
+					keys = append(keys, key)
+				}
+			}
+			// Sorted, so that of "a" and "a/b" the same one always wins.
+			slices.Sort(keys)
+			for _, key := range keys {
+				if err := add(key, key, 0, pr.Entries[key]); err != nil {
+					return nil, nil, err
+				}
+			}
+			continue
+		}
+		for _, it := range pr.Items {
+			value, ok := pr.Entries[it.Key]
+			if !ok {
+				if it.Optional || pr.Optional {
+					continue
+				}
+				return nil, nil, fmt.Errorf("mount %q: source %q: item references non-existent key %q", mount, pr.Source, pr.Prefix+it.Key)
+			}
+			if err := add(it.Key, it.Path, it.Mode, value); err != nil {
+				return nil, nil, err
+			}
+		}
+	}
+	return payload, rejected, nil
+}
+
+// placeable reports whether clean can join payload, whose directories are
+// dirs: it must not be one of them, nor lie below a file.
+func placeable(payload Payload, dirs map[string]bool, clean string) error {
+	if dirs[clean] {
+		return fmt.Errorf("path %q is also a directory of other keys", clean)
+	}
+	for dir := path.Dir(clean); dir != "."; dir = path.Dir(dir) {
+		if _, ok := payload[dir]; ok {
+			return fmt.Errorf("path %q lies below file %q", clean, dir)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,122 @@
+package projector
+
+import (
+	"errors"
+	"io/fs"
+	"strings"
+	"testing"
+)
+
+func TestMakePayload(t *testing.T) {
+	defaults := Defaults{Mode: 0o644, UID: 7, GID: 8}
+	f := func(data string, mode uint32) File {
+		return File{Data: []byte(data), Mode: fs.FileMode(mode), UID: 7, GID: 8}
+	}
+	entries := map[string][]byte{"a": []byte("A"), "dir/b": []byte("B"), "dir/": nil, "": []byte("self")}
+	tests := []struct {
+		name         string
+		projections  []Projection
+		want         Payload
+		wantRejected []string // keys
+		wantErr      string
+	}{
+		{
+			name:        "every key, markers skipped",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: entries}},
+			want:        Payload{"a": f("A", 0o644), "dir/b": f("B", 0o644)},
+		},
+		{
+			name: "items choose keys, paths and modes",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: entries, Items: []Item{
+				{Key: "a", Path: "conf/a.conf", Mode: 0o400},
+				{Key: "dir/b", Path: "b"},
+			}}},
+			want: Payload{"conf/a.conf": f("A", 0o400), "b": f("B", 0o644)},
+		},
+		{
+			name:        "missing prefix",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Missing: true}},
+			wantErr:     `prefix "/p/" does not exist`,
+		},
+		{
+			name:        "missing optional prefix",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Missing: true, Optional: true}},
+			want:        Payload{},
+		},
+		{
+			name:        "missing item",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: entries, Items: []Item{{Key: "nope", Path: "x"}}}},
+			wantErr:     `non-existent key "/p/nope"`,
+		},
+		{
+			name:        "missing optional item",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: entries, Items: []Item{{Key: "nope", Path: "x", Optional: true}, {Key: "a", Path: "a"}}}},
+			want:        Payload{"a": f("A", 0o644)},
+		},
+		{
+			name:        "missing item in optional projection",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Optional: true, Entries: entries, Items: []Item{{Key: "nope", Path: "x"}}}},
+			want:        Payload{},
+		},
+		{
+			name: "bad keys are rejected, the rest projected",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+				"../escape": []byte("x"), "ok": []byte("ok"), "..data": []byte("x"), "a\x00b": []byte("x"), "sub/../../up": []byte("x"),
+			}}},
+			want:         Payload{"ok": f("ok", 0o644)},
+			wantRejected: []string{"/p/../escape", "/p/..data", "/p/a\x00b", "/p/sub/../../up"},
+		},
+		{
+			name:         "file and directory of the same name",
+			projections:  []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "a/b": []byte("2")}}},
+			want:         Payload{"a": f("1", 0o644)},
+			wantRejected: []string{"/p/a/b"},
+		},
+		{
+			name: "two projections",
+			projections: []Projection{
+				{Source: "one", Prefix: "/x/", Entries: map[string][]byte{"a": []byte("1")}},
+				{Source: "two", Prefix: "y/", Entries: map[string][]byte{"b": []byte("2")}},
+			},
+			want: Payload{"a": f("1", 0o644), "b": f("2", 0o644)},
+		},
+		{
+			name: "two projections, same path",
+			projections: []Projection{
+				{Source: "one", Prefix: "/x/", Entries: map[string][]byte{"a": []byte("1")}},
+				{Source: "two", Prefix: "y/", Entries: map[string][]byte{"a": []byte("2")}},
+			},
+			wantErr: `path "a" comes from both source "one" key "/x/a" and source "two" key "y/a"`,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, rejected, err := MakePayload("m", tt.projections, defaults)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("MakePayload error = %v; want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !got.Equal(tt.want) {
+				t.Errorf("payload %v; want %v", describe(got), describe(tt.want))
+			}
+			var keys []string
+			for _, r := range rejected {
+				keys = append(keys, r.Key)
+				if r.Mount != "m" || r.Source != "s" || !strings.Contains(r.Error(), `mount "m"`) {
+					t.Errorf("rejection %v does not name source and mount", r)
+				}
+				if !errors.Is(r, ErrInvalidPath) && !strings.Contains(r.Error(), "directory") && !strings.Contains(r.Error(), "below") {
+					t.Errorf("rejection %v has no reason", r)
+				}
+			}
+			if strings.Join(keys, ",") != strings.Join(tt.wantRejected, ",") {
+				t.Errorf("rejected %q; want %q", keys, tt.wantRejected)
+			}
+		})
+	}
+}
