@@ -1,0 +1,229 @@
+package source
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+)
+
+// Feed is the shared state of one (source, prefix): the last snapshot and
+// whether the source can currently be read. It implements Publisher for the
+// source's follow. A Feed is safe for concurrent use.
+type Feed struct {
+	source string
+	prefix string
+	cache  *Cache
+
+	mu       sync.Mutex
+	snapshot *Snapshot
+	err      error
+	since    time.Time // when err was first reported
+	version  uint64
+
+	// Owned by the cache, under cache.mu.
+	refs   int
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+// FeedState is a Feed's state at one moment.
+type FeedState struct {
+	// Snapshot is the last snapshot, or nil before the first.
+	Snapshot *Snapshot
+	// Err is the last failure to read the source, or nil while it is
+	// reachable. The snapshot stays in force meanwhile.
+	Err error
+	// Since is when Err was first reported.
+	Since time.Time
+	// Version increases with every change of Snapshot or Err.
+	Version uint64
+}
+
+// Source returns the feed's source name.
+func (f *Feed) Source() string { return f.source }
+
+// Prefix returns the feed's prefix.
+func (f *Feed) Prefix() string { return f.prefix }
+
+// State returns the feed's current state.
+func (f *Feed) State() FeedState {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return FeedState{Snapshot: f.snapshot, Err: f.err, Since: f.since, Version: f.version}
+}
+
+// Publish stores s as the feed's snapshot, clears any failure and wakes the
+// cache's listener.
+func (f *Feed) Publish(s Snapshot) {
+	f.mu.Lock()
+	f.snapshot = &s
+	f.err = nil
+	f.version++
+	f.mu.Unlock()
+	f.cache.changed()
+}
+
+// Status records the source's health for the feed and wakes the cache's
+// listener when it changes.
+func (f *Feed) Status(err error) {
+	f.mu.Lock()
+	if (err == nil) == (f.err == nil) && (err == nil || err.Error() == f.err.Error()) {
+		f.mu.Unlock()
+		return
+	}
+	if f.err == nil {
+		f.since = time.Now()
+	}
+	f.err = err
+	f.version++
+	f.mu.Unlock()
+	f.cache.changed()
+}
+
+type feedKey struct{ source, prefix string }
+
+// Cache runs one follow per (source, prefix) that any mount uses,
+// reference-counted: Acquire starts it, the last Release stops it.
+type Cache struct {
+	log     *slog.Logger
+	changed func()
+
+	mu      sync.Mutex
+	sources map[string]Source
+	feeds   map[feedKey]*Feed
+	closed  bool
+}
+
+// NewCache returns an empty cache. changed is called, without locks held,
+// whenever any feed's state changes; it must not block (the reconciler's
+// one-slot wake channel).
+func NewCache(log *slog.Logger, changed func()) *Cache {
+	return &Cache{log: log, changed: changed, sources: map[string]Source{}, feeds: map[feedKey]*Feed{}}
+}
+
+// SetSources makes sources the cache's sources. Feeds of a source whose
+// instance changed are restarted on the new instance and keep their last
+// snapshot meanwhile; the replaced and removed instances are closed, after
+// their follows have ended.
+func (c *Cache) SetSources(sources map[string]Source) {
+	c.mu.Lock()
+	var restart []*Feed
+	var stopping []chan struct{}
+	for key, f := range c.feeds {
+		if sources[key.source] != c.sources[key.source] && f.cancel != nil {
+			f.cancel()
+			stopping = append(stopping, f.done)
+			restart = append(restart, f)
+		}
+	}
+	old := c.sources
+	c.sources = sources
+	c.mu.Unlock()
+
+	for _, done := range stopping {
+		<-done
+	}
+	for name, s := range old {
+		if sources[name] != s {
+			if err := s.Close(); err != nil {
+				c.log.Warn("closing source", "source", name, "err", err)
+			}
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, f := range restart {
+		if f.refs > 0 && !c.closed {
+			c.start(f)
+		}
+	}
+}
+
+// Acquire returns the feed of (source, prefix), starting its follow when it
+// is the first user. Each Acquire needs one Release.
+func (c *Cache) Acquire(source, prefix string) (*Feed, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return nil, errors.New("source: cache is closed")
+	}
+	if _, ok := c.sources[source]; !ok {
+		return nil, fmt.Errorf("source: unknown source %q", source)
+	}
+	key := feedKey{source, prefix}
+	f := c.feeds[key]
+	if f == nil {
+		f = &Feed{source: source, prefix: prefix, cache: c}
+		c.feeds[key] = f
+	}
+	f.refs++
+	if f.cancel == nil {
+		c.start(f)
+	}
+	return f, nil
+}
+
+// Release gives up one use of f; the last use stops its follow.
+func (c *Cache) Release(f *Feed) {
+	c.mu.Lock()
+	f.refs--
+	if f.refs > 0 {
+		c.mu.Unlock()
+		return
+	}
+	delete(c.feeds, feedKey{f.source, f.prefix})
+	cancel, done := f.cancel, f.done
+	f.cancel = nil
+	c.mu.Unlock()
+	if cancel != nil {
+		cancel()
+		<-done
+	}
+}
+
+// Close stops every follow, waits for them, and closes every source.
+func (c *Cache) Close() {
+	c.mu.Lock()
+	c.closed = true
+	var dones []chan struct{}
+	for _, f := range c.feeds {
+		if f.cancel != nil {
+			f.cancel()
+			dones = append(dones, f.done)
+			f.cancel = nil
+		}
+	}
+	sources := c.sources
+	c.sources = map[string]Source{}
+	c.mu.Unlock()
+	for _, done := range dones {
+		<-done
+	}
+	for name, s := range sources {
+		if err := s.Close(); err != nil {
+			c.log.Warn("closing source", "source", name, "err", err)
+		}
+	}
+}
+
+// start runs f's follow on its source in a goroutine that the cache owns;
+// c.mu must be held.
+func (c *Cache) start(f *Feed) {
+	src := c.sources[f.source]
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	f.cancel, f.done = cancel, done
+	go func() {
+		defer close(done)
+		err := src.Follow(ctx, f.prefix, f)
+		if ctx.Err() == nil {
+			// Follow must not return early; report it and leave the
+			// feed stale rather than spin.
+			c.log.Error("source stopped following", "source", f.source, "prefix", f.prefix, "err", err)
+			f.Status(fmt.Errorf("source %q stopped following %q: %v", f.source, f.prefix, err))
+		}
+	}()
+}

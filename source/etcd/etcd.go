@@ -1,0 +1,466 @@
+// Package etcd is the etcd v3 source kind: it reads a key prefix at one
+// revision, page by page, then watches it from the next revision, folding
+// events into a map and publishing the whole map once per watch response —
+// so the keys of one transaction switch together. Change detection "poll"
+// re-reads the prefix every poll_interval instead (the kubelet's TTL cache
+// strategy).
+package etcd
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	"go.etcd.io/etcd/client/pkg/v3/transport"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	grpcbackoff "google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/connectivity"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/source"
+)
+
+// Defaults of a [sources.NAME] table of type "etcd".
+const (
+	DefaultEndpoint     = "http://127.0.0.1:2379"
+	DefaultDialTimeout  = 5 * time.Second
+	DefaultPollInterval = 30 * time.Second
+)
+
+const (
+	// pageSize is how many keys one range request reads; a large prefix is
+	// read in pages at one pinned revision (etcd client/v3/mirror).
+	pageSize = 1000
+	// requestTimeout bounds one range request.
+	requestTimeout = 10 * time.Second
+	// keepAliveTime is above the server's 5 s minimum
+	// (--grpc-keepalive-min-time), or the server drops the connection.
+	keepAliveTime    = 10 * time.Second
+	keepAliveTimeout = 5 * time.Second
+)
+
+// Change detection strategies.
+const (
+	Watch = "watch"
+	Poll  = "poll"
+)
+
+// Config is a decoded [sources.NAME] table of type "etcd".
+type Config struct {
+	// Endpoints are client URLs: http://, https://, unix:// or unixs://.
+	Endpoints []string
+	// DialTimeout bounds connecting and authenticating.
+	DialTimeout time.Duration
+	// Username and Password authenticate; Password is read from
+	// password_file.
+	Username string
+	Password config.Secret
+	// TLS configures https:// endpoints.
+	TLS config.TLS
+	// ChangeDetection is Watch or Poll.
+	ChangeDetection string
+	// PollInterval is the period of Poll.
+	PollInterval time.Duration
+}
+
+// Kind returns the etcd source kind for the registry.
+func Kind() source.Kind {
+	return source.Kind{Name: "etcd", Decode: Decode, Open: open}
+}
+
+// Decode reads a [sources.NAME] table of type "etcd", reporting problems
+// through sec. It returns a *Config.
+func Decode(sec *config.Section) any {
+	c := &Config{
+		Endpoints:       sec.Strings("endpoints"),
+		DialTimeout:     sec.Duration("dial_timeout", DefaultDialTimeout),
+		Username:        sec.String("username", ""),
+		Password:        sec.SecretFile("password_file"),
+		TLS:             sec.TLS("tls"),
+		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
+		PollInterval:    sec.Duration("poll_interval", DefaultPollInterval),
+	}
+	if !sec.Has("endpoints") {
+		c.Endpoints = []string{DefaultEndpoint}
+	} else if len(c.Endpoints) == 0 {
+		sec.Errorf("endpoints", "needs at least one endpoint")
+	}
+	for _, ep := range c.Endpoints {
+		u, err := url.Parse(ep)
+		switch {
+		case err != nil:
+			sec.Errorf("endpoints", "%q: want a URL with scheme http, https, unix or unixs, such as %q", ep, DefaultEndpoint)
+		case u.Scheme != "http" && u.Scheme != "https" && u.Scheme != "unix" && u.Scheme != "unixs":
+			sec.Errorf("endpoints", "%q: want a URL with scheme http, https, unix or unixs", ep)
+		case u.Host == "" && u.Path == "":
+			sec.Errorf("endpoints", "%q has no host", ep)
+		}
+	}
+	if (c.Username == "") != c.Password.IsZero() {
+		sec.Errorf("username", "username and password_file go together")
+	}
+	return c
+}
+
+func open(name string, settings any, log *slog.Logger) (source.Source, error) {
+	c, ok := settings.(*Config)
+	if !ok {
+		return nil, fmt.Errorf("source/etcd: settings are %T, not *etcd.Config", settings)
+	}
+	return New(name, c, log)
+}
+
+// Source follows prefixes of one etcd cluster through one shared client.
+type Source struct {
+	name string
+	cfg  *Config
+	log  *slog.Logger
+
+	mu     sync.Mutex
+	client *clientv3.Client
+}
+
+var _ source.Source = (*Source)(nil)
+
+// New returns a Source for cfg. It does not connect: the first Follow does,
+// and retries until etcd answers, so kvmount starts while etcd is down.
+func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
+	if len(cfg.Endpoints) == 0 {
+		return nil, errors.New("source/etcd: no endpoints")
+	}
+	return &Source{name: name, cfg: cfg, log: log}, nil
+}
+
+// Close closes the client.
+func (s *Source) Close() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.client == nil {
+		return nil
+	}
+	err := s.client.Close()
+	s.client = nil
+	if err != nil && !errors.Is(err, context.Canceled) {
+		return fmt.Errorf("source/etcd: close: %w", err)
+	}
+	return nil
+}
+
+// connect returns the shared client, creating it on first use. With a
+// username, creating it authenticates, which needs etcd up.
+func (s *Source) connect() (*clientv3.Client, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.client != nil {
+		return s.client, nil
+	}
+	cc := clientv3.Config{
+		Endpoints:            s.cfg.Endpoints,
+		DialTimeout:          s.cfg.DialTimeout,
+		DialKeepAliveTime:    keepAliveTime,
+		DialKeepAliveTimeout: keepAliveTimeout,
+		Username:             s.cfg.Username,
+		Password:             s.cfg.Password.Reveal(),
+		Logger:               zap.NewNop(),
+		// Reconnect after an outage on kvmount's retry schedule rather
+		// than gRPC's default, which backs off to two minutes.
+		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
+			Backoff: grpcbackoff.Config{
+				BaseDelay:  source.RetryMin,
+				Multiplier: 1.6,
+				Jitter:     0.2,
+				MaxDelay:   source.RetryMax,
+			},
+			MinConnectTimeout: s.cfg.DialTimeout,
+		})},
+	}
+	if s.cfg.TLS.Enabled() {
+		info := transport.TLSInfo{
+			CertFile:      s.cfg.TLS.CertFile,
+			KeyFile:       s.cfg.TLS.KeyFile,
+			TrustedCAFile: s.cfg.TLS.CAFile,
+			ServerName:    s.cfg.TLS.ServerName,
+		}
+		tc, err := info.ClientConfig()
+		if err != nil {
+			return nil, fmt.Errorf("source/etcd: tls: %w", err)
+		}
+		cc.TLS = tc
+	} else if usesTLS(s.cfg.Endpoints) {
+		cc.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	cli, err := clientv3.New(cc)
+	if err != nil {
+		return nil, fmt.Errorf("source/etcd: connect %s: %w", strings.Join(s.cfg.Endpoints, ","), err)
+	}
+	s.client = cli
+	return cli, nil
+}
+
+func usesTLS(endpoints []string) bool {
+	for _, ep := range endpoints {
+		if strings.HasPrefix(ep, "https://") || strings.HasPrefix(ep, "unixs://") {
+			return true
+		}
+	}
+	return false
+}
+
+// testHookAfterList, when set by a test, runs between a read and the watch
+// that follows it, to make the watch start from a compacted revision.
+var testHookAfterList func()
+
+// errResync ends a watch that must be replaced by a fresh read at once,
+// such as after compaction (etcd ErrCompacted).
+var errResync = errors.New("source/etcd: resync")
+
+// Follow reads prefix and follows it until ctx is done; see source.Source.
+// In watch mode it reads the prefix at one revision, then watches from the
+// next with WithRequireLeader, so that a member that lost its leader ends the
+// watch instead of hanging; a compacted or cancelled watch is replaced by a
+// fresh read, and keys deleted meanwhile disappear because each read is a
+// full snapshot. While the connection is in transient failure the prefix is
+// reported stale. In poll mode it re-reads every poll interval (±10 %).
+func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
+	f := &follower{src: s, prefix: prefix, pub: pub, log: s.log.With("prefix", prefix)}
+	return f.run(ctx)
+}
+
+// follower is one Follow's state.
+type follower struct {
+	src    *Source
+	prefix string
+	pub    source.Publisher
+	log    *slog.Logger
+	// last is the last snapshot published, nil before the first.
+	last map[string][]byte
+}
+
+func (f *follower) run(ctx context.Context) error {
+	bo := source.NewBackoff()
+	for {
+		err := f.cycle(ctx)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if errors.Is(err, errResync) {
+			f.log.Info("re-reading prefix", "reason", err)
+			continue
+		}
+		if err != nil {
+			f.log.Warn("source unavailable, keeping last content", "err", err)
+			f.pub.Status(err)
+			if !source.Sleep(ctx, bo.NextBackOff()) {
+				return ctx.Err()
+			}
+			continue
+		}
+		bo.Reset()
+	}
+}
+
+// cycle reads the prefix once and publishes it, then either watches it
+// until the watch ends or, in poll mode, waits one poll interval.
+func (f *follower) cycle(ctx context.Context) error {
+	cli, err := f.src.connect()
+	if err != nil {
+		return err
+	}
+	if err := f.ready(ctx, cli); err != nil {
+		return err
+	}
+	entries, rev, err := f.list(ctx, cli)
+	if errors.Is(err, rpctypes.ErrCompacted) {
+		return fmt.Errorf("%w: revision compacted during read", errResync)
+	}
+	if err != nil {
+		return err
+	}
+	f.publish(entries, rev)
+	if testHookAfterList != nil {
+		testHookAfterList()
+	}
+	if f.src.cfg.ChangeDetection == Poll {
+		source.Sleep(ctx, source.Jitter(f.src.cfg.PollInterval))
+		return nil
+	}
+	return f.watch(ctx, cli, entries, rev)
+}
+
+// publish delivers entries unless they equal the last snapshot, in which
+// case it only reports the source healthy.
+func (f *follower) publish(entries map[string][]byte, rev int64) {
+	if f.last != nil && maps.EqualFunc(entries, f.last, bytes.Equal) {
+		f.pub.Status(nil)
+		return
+	}
+	f.last = entries
+	f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: len(entries) == 0, Entries: entries})
+}
+
+// ready waits up to the dial timeout for the client's connection, so that
+// an unreachable etcd is reported after dial_timeout rather than when a
+// read that waits for the connection times out.
+func (f *follower) ready(ctx context.Context, cli *clientv3.Client) error {
+	conn := cli.ActiveConnection()
+	wctx, cancel := context.WithTimeout(ctx, f.src.cfg.DialTimeout)
+	defer cancel()
+	for state := conn.GetState(); state != connectivity.Ready; state = conn.GetState() {
+		if state == connectivity.Idle {
+			conn.Connect()
+		}
+		if !conn.WaitForStateChange(wctx, state) {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			return fmt.Errorf("source/etcd: %s unreachable: no connection within %v", strings.Join(f.src.cfg.Endpoints, ","), f.src.cfg.DialTimeout)
+		}
+	}
+	return nil
+}
+
+// span returns the key range of prefix; the empty prefix is every key.
+func span(prefix string) (key, end string) {
+	if prefix == "" {
+		return "\x00", "\x00"
+	}
+	return prefix, clientv3.GetPrefixRangeEnd(prefix)
+}
+
+// list reads every key under the prefix at one revision, pageSize keys per
+// request, and returns them relative to the prefix with that revision.
+func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][]byte, int64, error) {
+	key, end := span(f.prefix)
+	entries := map[string][]byte{}
+	var rev int64
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(pageSize)}
+		if rev > 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+		resp, err := cli.Get(rctx, key, opts...)
+		cancel()
+		if err != nil {
+			return nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
+		}
+		if rev == 0 {
+			rev = resp.Header.Revision
+		}
+		for _, kv := range resp.Kvs {
+			entries[strings.TrimPrefix(string(kv.Key), f.prefix)] = kv.Value
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return entries, rev, nil
+		}
+		key = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+// watch follows the prefix from rev+1, publishing once per watch response,
+// until the watch ends. It always returns an error saying why.
+func (f *follower) watch(ctx context.Context, cli *clientv3.Client, entries map[string][]byte, rev int64) error {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	var g errgroup.Group
+	g.Go(func() error {
+		f.monitor(wctx, cli)
+		return nil
+	})
+	defer func() {
+		cancel()
+		_ = g.Wait() // monitor returns nil
+	}()
+
+	key, end := span(f.prefix)
+	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev+1), clientv3.WithProgressNotify())
+	for resp := range wch {
+		if err := resp.Err(); err != nil {
+			if errors.Is(err, rpctypes.ErrCompacted) {
+				return fmt.Errorf("%w: watch compacted at revision %d", errResync, resp.CompactRevision)
+			}
+			return fmt.Errorf("source/etcd: watch %s: %w", f.prefix, err)
+		}
+		if resp.Canceled {
+			return fmt.Errorf("%w: watch cancelled by the server", errResync)
+		}
+		if resp.IsProgressNotify() {
+			f.pub.Status(nil)
+			continue
+		}
+		if next, changed := apply(entries, f.prefix, resp.Events); changed {
+			entries = next
+			f.last = entries
+			f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(resp.Header.Revision, 10), Missing: len(entries) == 0, Entries: entries})
+		}
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return fmt.Errorf("%w: watch channel closed", errResync)
+}
+
+// apply folds events into a copy of entries and reports whether anything
+// changed. entries itself is never modified: it was published.
+func apply(entries map[string][]byte, prefix string, events []*clientv3.Event) (map[string][]byte, bool) {
+	next := entries
+	copied := false
+	for _, ev := range events {
+		rel := strings.TrimPrefix(string(ev.Kv.Key), prefix)
+		old, had := next[rel]
+		switch ev.Type {
+		case clientv3.EventTypePut:
+			if had && bytes.Equal(old, ev.Kv.Value) {
+				continue
+			}
+		case clientv3.EventTypeDelete:
+			if !had {
+				continue
+			}
+		}
+		if !copied {
+			next = maps.Clone(entries)
+			copied = true
+		}
+		if ev.Type == clientv3.EventTypePut {
+			next[rel] = ev.Kv.Value
+		} else {
+			delete(next, rel)
+		}
+	}
+	return next, copied
+}
+
+// monitor reports the prefix stale while the client's connection is in
+// transient failure, and current again once it is ready: the watch itself
+// reconnects silently and resumes where it left off, so without this an
+// etcd outage would go unreported.
+func (f *follower) monitor(ctx context.Context, cli *clientv3.Client) {
+	conn := cli.ActiveConnection()
+	state := conn.GetState()
+	for {
+		switch state {
+		case connectivity.TransientFailure:
+			f.pub.Status(fmt.Errorf("source/etcd: %s unreachable", strings.Join(f.src.cfg.Endpoints, ",")))
+		case connectivity.Ready:
+			f.pub.Status(nil)
+		}
+		if !conn.WaitForStateChange(ctx, state) {
+			return
+		}
+		state = conn.GetState()
+	}
+}

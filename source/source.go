@@ -1,0 +1,109 @@
+// Package source defines what kvmount reads from: a Source follows key
+// prefixes of one backend (etcd, Consul, an HTTP URL) and delivers a full
+// Snapshot whenever one changes. The Cache shares one follow per (source,
+// prefix) among all the mounts that use it, as the kubelet's object cache
+// shares one watch among pods. Source kinds are registered in a Registry
+// built by main.
+package source
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strings"
+
+	"github.com/kvmount/kvmount/config"
+)
+
+// Snapshot is the complete set of keys under one prefix of one source at one
+// revision. A Snapshot is immutable once published.
+type Snapshot struct {
+	// Revision is the source's version stamp: an etcd revision, a Consul
+	// index, an HTTP ETag or body hash. It is for logs; equality of
+	// Entries decides whether anything changed.
+	Revision string
+	// Missing reports that the prefix does not exist (no keys under it).
+	Missing bool
+	// Entries maps keys relative to the prefix to their values.
+	Entries map[string][]byte
+}
+
+// Publisher receives what a follow finds. The Cache's feeds implement it.
+type Publisher interface {
+	// Publish delivers a complete new snapshot. It also clears a failure
+	// reported with Status.
+	Publish(Snapshot)
+	// Status reports the source's health for the prefix: a non-nil err
+	// means it cannot currently be read and the last snapshot is stale; nil
+	// means it is reachable again and the last snapshot is current.
+	Status(err error)
+}
+
+// Source is one configured backend.
+type Source interface {
+	// Follow reads prefix and follows it until ctx is done, publishing each
+	// changed snapshot and each failure to pub. It retries failures itself
+	// with jittered exponential backoff and never gives up; it returns
+	// ctx's error once ctx is done, after its goroutines have ended.
+	Follow(ctx context.Context, prefix string, pub Publisher) error
+	// Close releases the source's connections. No Follow may be running.
+	Close() error
+}
+
+// Kind is one kind of source, such as "etcd".
+type Kind struct {
+	// Name is the value of type in [sources.NAME].
+	Name string
+	// Decode reads and validates a [sources.NAME] table of this kind.
+	Decode config.SourceDecoder
+	// Open makes a Source from what Decode returned. It starts nothing;
+	// Follow does.
+	Open func(name string, settings any, log *slog.Logger) (Source, error)
+}
+
+// Registry is the table of source kinds kvmount knows.
+type Registry struct {
+	kinds map[string]Kind
+}
+
+// NewRegistry returns a registry of kinds. It panics on a duplicate name: a
+// programming error.
+func NewRegistry(kinds ...Kind) *Registry {
+	r := &Registry{kinds: map[string]Kind{}}
+	for _, k := range kinds {
+		if _, dup := r.kinds[k.Name]; dup {
+			panic(fmt.Sprintf("source: kind %q registered twice", k.Name))
+		}
+		r.kinds[k.Name] = k
+	}
+	return r
+}
+
+// Decoders returns the decoder of every kind, for config.Load.
+func (r *Registry) Decoders() map[string]config.SourceDecoder {
+	out := make(map[string]config.SourceDecoder, len(r.kinds))
+	for name, k := range r.kinds {
+		out[name] = k.Decode
+	}
+	return out
+}
+
+// Names returns the kinds' names, sorted.
+func (r *Registry) Names() []string {
+	return slices.Sorted(maps.Keys(r.kinds))
+}
+
+// Open makes the Source that src configures.
+func (r *Registry) Open(src *config.Source, log *slog.Logger) (Source, error) {
+	k, ok := r.kinds[src.Type]
+	if !ok {
+		return nil, fmt.Errorf("source %q: unknown type %q; want one of %s", src.Name, src.Type, strings.Join(r.Names(), ", "))
+	}
+	s, err := k.Open(src.Name, src.Settings, log.With("source", src.Name))
+	if err != nil {
+		return nil, fmt.Errorf("source %q: %w", src.Name, err)
+	}
+	return s, nil
+}
