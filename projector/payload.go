@@ -66,9 +66,11 @@ type Change struct {
 	Added []string
 	// Changed are files whose data, mode or owner changed.
 	Changed []string
-	// Removed are files gone from the payload, and directories left empty
-	// by their removal (kubelet: pathsToRemove), parents before children.
+	// Removed are files gone from the payload.
 	Removed []string
+	// RemovedDirs are directories no file of the payload needs any more
+	// (with Removed, the kubelet's pathsToRemove), parents before children.
+	RemovedDirs []string
 }
 
 // Empty reports whether c changes nothing.
@@ -89,24 +91,20 @@ func Diff(old, new Payload) Change {
 		}
 	}
 	kept := directories(new)
-	removed := map[string]bool{}
-	for name := range old {
-		if _, ok := new[name]; ok {
-			continue
-		}
-		removed[name] = true
-		for dir := path.Dir(name); dir != "."; dir = path.Dir(dir) {
-			if !kept[dir] {
-				removed[dir] = true
-			}
+	for dir := range directories(old) {
+		if !kept[dir] {
+			c.RemovedDirs = append(c.RemovedDirs, dir)
 		}
 	}
-	for name := range removed {
-		c.Removed = append(c.Removed, name)
+	for name := range old {
+		if _, ok := new[name]; !ok {
+			c.Removed = append(c.Removed, name)
+		}
 	}
 	slices.Sort(c.Added)
 	slices.Sort(c.Changed)
 	slices.Sort(c.Removed)
+	slices.Sort(c.RemovedDirs)
 	return c
 }
 

@@ -231,6 +231,9 @@ func (w *AtomicWriter) Verify() error {
 }
 
 func (w *AtomicWriter) verify() error {
+	if err := w.sameDir(); err != nil {
+		return err
+	}
 	if w.current == nil {
 		return errors.New("no known version")
 	}
@@ -277,6 +280,24 @@ func (w *AtomicWriter) verify() error {
 	}
 	for name := range want {
 		return fmt.Errorf("visible entry %s is missing", name)
+	}
+	return nil
+}
+
+// sameDir checks that the mount directory's path still names the directory
+// the writer holds open: removed or replaced by hand, the writer would
+// otherwise write into a directory nobody sees.
+func (w *AtomicWriter) sameDir() error {
+	byPath, err := os.Lstat(w.dir)
+	if err != nil {
+		return fmt.Errorf("mount directory: %w", err)
+	}
+	held, err := w.root.Stat(".")
+	if err != nil {
+		return fmt.Errorf("mount directory: %w", err)
+	}
+	if !os.SameFile(byPath, held) {
+		return errors.New("mount directory was removed or replaced")
 	}
 	return nil
 }

@@ -136,8 +136,11 @@ func (c *Cache) SetSources(sources map[string]Source) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for _, f := range restart {
-		if f.refs > 0 && !c.closed {
+		f.cancel = nil
+		if _, ok := c.sources[f.source]; ok && f.refs > 0 && !c.closed {
 			c.start(f)
+		} else if f.refs > 0 {
+			f.Status(fmt.Errorf("source %q is no longer configured", f.source))
 		}
 	}
 }

@@ -1,0 +1,148 @@
+// Command kvmount keeps directories in sync with key-value data held in
+// etcd: run is the daemon, once projects every mount a single time, check
+// validates a configuration file, version prints the version.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strconv"
+	"syscall"
+	"time"
+
+	sddaemon "github.com/coreos/go-systemd/v22/daemon"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/daemon"
+	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/source/etcd"
+)
+
+// version is set at build time with -ldflags "-X main.version=...".
+var version = ""
+
+// Exit codes.
+const (
+	exitOK      = 0
+	exitFailure = 1
+	exitUsage   = 2
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// registry is the table of source kinds kvmount is built with.
+func registry() *source.Registry {
+	return source.NewRegistry(etcd.Kind())
+}
+
+const usage = `usage: kvmount <command> [-config FILE]
+
+commands:
+  run      run the daemon: keep every mount in sync until SIGTERM; SIGHUP reloads the configuration
+  once     project every mount once, then exit (0 when every non-optional mount was projected)
+  check    validate the configuration file and exit; errors name file:line
+  version  print the version
+`
+
+// run executes one command and returns the process's exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	cmd, args := args[0], args[1:]
+	fs := flag.NewFlagSet("kvmount "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	configPath := fs.String("config", config.DefaultPath, "configuration `file`")
+	timeout := time.Duration(0)
+	if cmd == "once" {
+		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up on mounts not projected after this `duration`")
+	}
+	switch cmd {
+	case "run", "once", "check", "version":
+	case "help", "-h", "-help", "--help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	default:
+		fmt.Fprintf(stderr, "kvmount: unknown command %q\n%s", cmd, usage)
+		return exitUsage
+	}
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "kvmount %s: unexpected arguments %q\n", cmd, fs.Args())
+		return exitUsage
+	}
+	opts := daemon.Options{ConfigPath: *configPath, Registry: registry(), LogOutput: stderr}
+	var err error
+	switch cmd {
+	case "version":
+		fmt.Fprintln(stdout, "kvmount", buildVersion())
+		return exitOK
+	case "check":
+		var cfg *config.Config
+		cfg, err = config.Load(*configPath, opts.Registry.Decoders())
+		if err == nil {
+			fmt.Fprintf(stdout, "%s: OK (%d sources, %d mounts)\n", *configPath, len(cfg.Sources), len(cfg.Mounts))
+		}
+	case "once":
+		err = daemon.Once(ctx, opts, timeout)
+	case "run":
+		hup := make(chan os.Signal, 1)
+		signal.Notify(hup, syscall.SIGHUP)
+		defer signal.Stop(hup)
+		opts.Reload = hup
+		opts.Notify = notifySystemd
+		err = daemon.Run(ctx, opts)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return exitFailure
+	}
+	return exitOK
+}
+
+// notifySystemd tells systemd of the daemon's state when it runs as a
+// Type=notify service; without NOTIFY_SOCKET it does nothing.
+func notifySystemd(state string) {
+	var msg string
+	switch state {
+	case "ready":
+		msg = sddaemon.SdNotifyReady
+	case "reloading":
+		// Type=notify-reload (systemd ≥ 253) wants the monotonic time too.
+		var ts unix.Timespec
+		_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+		msg = sddaemon.SdNotifyReloading + "\nMONOTONIC_USEC=" + strconv.FormatInt(ts.Nano()/1000, 10)
+	case "stopping":
+		msg = sddaemon.SdNotifyStopping
+	default:
+		return
+	}
+	_, _ = sddaemon.SdNotify(false, msg)
+}
+
+// buildVersion returns the version set at build time, else the module
+// version Go recorded, else "devel".
+func buildVersion() string {
+	if version != "" {
+		return version
+	}
+	if info, ok := debug.ReadBuildInfo(); ok && info.Main.Version != "" && info.Main.Version != "(devel)" {
+		return info.Main.Version
+	}
+	return "devel"
+}
+

@@ -1,0 +1,293 @@
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvmount/kvmount/internal/embedetcd"
+	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/source/etcd"
+)
+
+// waitTimeout bounds every wait in these tests. Changes propagate in
+// milliseconds; the bound is reached only when something is broken.
+const waitTimeout = 30 * time.Second
+
+// syncBuffer collects logs from the daemon's goroutines.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// count returns how many log lines contain every one of parts.
+func (b *syncBuffer) count(parts ...string) int {
+	n := 0
+	for line := range strings.SplitSeq(b.String(), "\n") {
+		ok := true
+		for _, p := range parts {
+			ok = ok && strings.Contains(line, p)
+		}
+		if ok && line != "" {
+			n++
+		}
+	}
+	return n
+}
+
+// harness runs the daemon in-process against a real etcd.
+type harness struct {
+	t        *testing.T
+	etcd     *embedetcd.Server
+	cli      *clientv3.Client
+	base     string // temporary directory for everything
+	config   string // configuration file
+	endpoint string // what kvmount dials (etcd, or a proxy in front of it)
+	logs     *syncBuffer
+	reload   chan os.Signal
+	notified chan string
+	cancel   context.CancelFunc
+	done     chan error
+}
+
+func newHarness(t *testing.T) *harness {
+	t.Helper()
+	base := t.TempDir()
+	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Stop)
+	cli, err := srv.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	h := &harness{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml"), endpoint: srv.Endpoint(), logs: &syncBuffer{}}
+	t.Cleanup(func() {
+		h.stop()
+		if t.Failed() {
+			t.Logf("kvmount logs:\n%s", h.logs)
+		}
+	})
+	return h
+}
+
+// path returns a path inside the harness's temporary directory.
+func (h *harness) path(parts ...string) string {
+	return filepath.Join(append([]string{h.base}, parts...)...)
+}
+
+// writeConfig writes the configuration file: a header with the state
+// directory, a fast resync and the etcd source "main", then mounts.
+func (h *harness) writeConfig(mounts string) {
+	h.t.Helper()
+	body := fmt.Sprintf(`state_dir = %q
+resync_interval = "200ms"
+log_level = "debug"
+
+[sources.main]
+type = "etcd"
+endpoints = [%q]
+dial_timeout = "1s"
+
+%s`, h.path("state"), h.endpoint, mounts)
+	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// mount returns a [[mount]] table for name, projecting prefix into a
+// directory of the harness.
+func (h *harness) mount(name, prefix string, extra ...string) string {
+	return fmt.Sprintf("[[mount]]\nname = %q\ndir = %q\nsource = \"main\"\nprefix = %q\n%s\n", name, h.path("mnt", name), prefix, strings.Join(extra, "\n"))
+}
+
+func (h *harness) options() Options {
+	return Options{
+		ConfigPath: h.config,
+		Registry:   source.NewRegistry(etcd.Kind()),
+		LogOutput:  h.logs,
+	}
+}
+
+// start runs the daemon until stop.
+func (h *harness) start() {
+	h.t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	h.reload = make(chan os.Signal, 1)
+	h.notified = make(chan string, 100)
+	opts := h.options()
+	opts.Reload = h.reload
+	opts.Notify = func(state string) {
+		select {
+		case h.notified <- state:
+		default:
+		}
+	}
+	h.cancel, h.done = cancel, make(chan error, 1)
+	go func() { h.done <- Run(ctx, opts) }()
+}
+
+// stop stops the daemon and checks that it stopped cleanly.
+func (h *harness) stop() {
+	h.t.Helper()
+	if h.cancel == nil {
+		return
+	}
+	h.cancel()
+	h.cancel = nil
+	select {
+	case err := <-h.done:
+		if err != nil {
+			h.t.Errorf("Run = %v; want nil after a clean stop", err)
+		}
+	case <-time.After(waitTimeout):
+		h.t.Fatalf("Run did not return after cancel")
+	}
+}
+
+// sighup asks the daemon to reload its configuration.
+func (h *harness) sighup() { h.reload <- syscall.SIGHUP }
+
+// waitReady waits for the daemon to report every mount settled.
+func (h *harness) waitReady() {
+	h.t.Helper()
+	deadline := time.After(waitTimeout)
+	for {
+		select {
+		case s := <-h.notified:
+			if s == "ready" {
+				return
+			}
+		case <-deadline:
+			h.t.Fatal("daemon never became ready")
+		}
+	}
+}
+
+func (h *harness) put(kv ...string) {
+	h.t.Helper()
+	var ops []clientv3.Op
+	for i := 0; i < len(kv); i += 2 {
+		if kv[i+1] == "<delete>" {
+			ops = append(ops, clientv3.OpDelete(kv[i]))
+		} else {
+			ops = append(ops, clientv3.OpPut(kv[i], kv[i+1]))
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	if _, err := h.cli.Txn(ctx).Then(ops...).Commit(); err != nil {
+		h.t.Fatal(err)
+	}
+}
+
+// content returns the files of the mount at dir, read through the visible
+// symlinks as a service would, and the version ..data points at. A missing
+// mount is nil.
+func content(dir string) (map[string]string, string) {
+	version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
+	if err != nil {
+		return nil, ""
+	}
+	files := map[string]string{}
+	root := filepath.Join(dir, version)
+	err = filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		data, err := os.ReadFile(filepath.Join(dir, rel))
+		if err != nil {
+			return err
+		}
+		files[rel] = string(data)
+		return nil
+	})
+	if err != nil {
+		return nil, ""
+	}
+	return files, version
+}
+
+// waitContent waits until the mount at dir holds exactly want.
+func (h *harness) waitContent(dir string, want map[string]string) string {
+	h.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		got, version := content(dir)
+		if fmt.Sprint(got) == fmt.Sprint(want) && got != nil {
+			return version
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("mount %s holds %v; want %v", dir, got, want)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// waitLog waits until a log line contains every one of parts.
+func (h *harness) waitLog(parts ...string) {
+	h.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for h.logs.count(parts...) == 0 {
+		if time.Now().After(deadline) {
+			h.t.Fatalf("no log line with %q", parts)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// waitGone waits until path does not exist.
+func (h *harness) waitGone(path string) {
+	h.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		if _, err := os.Lstat(path); errors.Is(err, fs.ErrNotExist) {
+			return
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s still exists", path)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// entries lists a directory's names.
+func entries(t *testing.T, dir string) []string {
+	t.Helper()
+	list, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range list {
+		names = append(names, e.Name())
+	}
+	return names
+}

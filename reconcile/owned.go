@@ -1,0 +1,121 @@
+package reconcile
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"os"
+	"path/filepath"
+	"sync"
+
+	"github.com/google/renameio/v2"
+)
+
+// ownedFile is the name of the record of owned mounts in the state
+// directory.
+const ownedFile = "mounts.json"
+
+// Record is what kvmount remembers of a mount it owns.
+type Record struct {
+	// Dir is the mount directory.
+	Dir string `json:"dir"`
+	// Medium is the medium the mount lives on.
+	Medium string `json:"medium"`
+	// CreatedDir reports that kvmount created Dir and removes it on
+	// teardown.
+	CreatedDir bool `json:"created_dir"`
+}
+
+// Owned is the record of the mounts kvmount owns, kept in the state
+// directory so that a restart can adopt them and tear down the ones no
+// longer configured. It is safe for concurrent use; every change is written
+// to disk atomically (temp file, fsync, rename) before it returns.
+type Owned struct {
+	path string
+
+	mu      sync.Mutex
+	records map[string]Record
+}
+
+// ownedState is the file format, versioned for later changes.
+type ownedState struct {
+	Version int               `json:"version"`
+	Mounts  map[string]Record `json:"mounts"`
+}
+
+// LoadOwned reads the record in stateDir, creating the directory (mode
+// 0700) if needed. A missing record is an empty one.
+func LoadOwned(stateDir string) (*Owned, error) {
+	if err := os.MkdirAll(stateDir, 0o700); err != nil {
+		return nil, fmt.Errorf("state: %w", err)
+	}
+	o := &Owned{path: filepath.Join(stateDir, ownedFile), records: map[string]Record{}}
+	data, err := os.ReadFile(o.path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return o, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("state: %w", err)
+	}
+	var st ownedState
+	if err := json.Unmarshal(data, &st); err != nil {
+		return nil, fmt.Errorf("state: %s: %w", o.path, err)
+	}
+	if st.Version != 1 {
+		return nil, fmt.Errorf("state: %s: unknown version %d", o.path, st.Version)
+	}
+	if st.Mounts != nil {
+		o.records = st.Mounts
+	}
+	return o, nil
+}
+
+// All returns a copy of every record, by mount name.
+func (o *Owned) All() map[string]Record {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return maps.Clone(o.records)
+}
+
+// Get returns the record of mount name.
+func (o *Owned) Get(name string) (Record, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	r, ok := o.records[name]
+	return r, ok
+}
+
+// Set records mount name as owned and saves the record.
+func (o *Owned) Set(name string, r Record) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if old, ok := o.records[name]; ok && old == r {
+		return nil
+	}
+	o.records[name] = r
+	return o.save()
+}
+
+// Delete forgets mount name and saves the record.
+func (o *Owned) Delete(name string) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if _, ok := o.records[name]; !ok {
+		return nil
+	}
+	delete(o.records, name)
+	return o.save()
+}
+
+func (o *Owned) save() error {
+	data, err := json.MarshalIndent(ownedState{Version: 1, Mounts: o.records}, "", "  ")
+	if err != nil {
+		return fmt.Errorf("state: %w", err)
+	}
+	if err := renameio.WriteFile(o.path, append(data, '\n'), 0o600); err != nil {
+		return fmt.Errorf("state: %w", err)
+	}
+	return nil
+}

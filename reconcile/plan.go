@@ -1,0 +1,115 @@
+package reconcile
+
+import (
+	"fmt"
+	"slices"
+	"time"
+)
+
+// OpKind is the kind of an operation on a mount.
+type OpKind int
+
+// Operation kinds.
+const (
+	// Setup prepares the mount directory, adopts what a previous run left
+	// and writes the payload.
+	Setup OpKind = iota + 1
+	// Remount writes a new payload into a projected mount.
+	Remount
+	// Teardown removes a mount that is no longer configured, or whose
+	// directory or medium changed.
+	Teardown
+	// Verify compares a projected mount with the disk to find drift.
+	Verify
+)
+
+func (k OpKind) String() string {
+	switch k {
+	case Setup:
+		return "setup"
+	case Remount:
+		return "remount"
+	case Teardown:
+		return "teardown"
+	case Verify:
+		return "verify"
+	}
+	return fmt.Sprintf("OpKind(%d)", int(k))
+}
+
+// Op is one operation the reconciler runs.
+type Op struct {
+	Kind  OpKind
+	Mount string
+}
+
+func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
+
+// Plan decides what makes the actual state match the desired state at time
+// now. It returns the operations, sorted by mount name, at most one per
+// mount and none for mounts with an operation in flight, and the earliest
+// later time at which a backed-off mount may be retried (zero if none).
+//
+// The rules:
+//   - a projected mount that is not desired, or whose dir or medium changed,
+//     is torn down (a changed one is then set up anew);
+//   - a desired mount whose payload is ready is set up when not projected,
+//     and remounted when its generation differs from the one written or the
+//     disk drifted;
+//   - a projected mount due for resync is verified;
+//   - a mount whose last operation failed waits for its backoff, unless its
+//     desired generation changed since;
+//   - a desired mount that is not ready is left as it is, keeping its last
+//     content.
+func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
+	names := make([]string, 0, len(dsw)+len(asw.Mounts))
+	for name := range dsw {
+		names = append(names, name)
+	}
+	for name := range asw.Mounts {
+		if _, ok := dsw[name]; !ok {
+			names = append(names, name)
+		}
+	}
+	slices.Sort(names)
+	for _, name := range names {
+		if asw.InFlight[name] {
+			continue
+		}
+		op, ok := planMount(name, dsw[name], asw.Mounts[name])
+		if !ok {
+			continue
+		}
+		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
+			d := dsw[name]
+			if d == nil || d.Generation == f.Generation {
+				if retry.IsZero() || f.NextRetry.Before(retry) {
+					retry = f.NextRetry
+				}
+				continue
+			}
+		}
+		ops = append(ops, op)
+	}
+	return ops, retry
+}
+
+// planMount decides the operation for one mount, if any.
+func planMount(name string, d *DesiredMount, a *ActualMount) (Op, bool) {
+	switch {
+	case a != nil && (d == nil || a.Dir != d.Spec.Dir || a.Medium != d.Spec.Medium):
+		return Op{Kind: Teardown, Mount: name}, true
+	case d == nil || !d.Ready():
+		if a != nil && a.VerifyDue {
+			return Op{Kind: Verify, Mount: name}, true
+		}
+		return Op{}, false
+	case a == nil:
+		return Op{Kind: Setup, Mount: name}, true
+	case a.Generation != d.Generation || a.RemountRequired:
+		return Op{Kind: Remount, Mount: name}, true
+	case a.VerifyDue:
+		return Op{Kind: Verify, Mount: name}, true
+	}
+	return Op{}, false
+}

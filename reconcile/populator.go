@@ -1,0 +1,234 @@
+package reconcile
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"reflect"
+	"slices"
+	"strings"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/source"
+)
+
+// Populator builds the desired state of world from the configured mounts
+// and the snapshots of their feeds (the kubelet's
+// desiredStateOfWorldPopulator). It holds one feed per projection from the
+// source cache. It is not safe for concurrent use: the reconciler's loop
+// owns it.
+type Populator struct {
+	cache  *source.Cache
+	log    *slog.Logger
+	mounts map[string]*populated
+	// generation numbers desired payloads; it only grows, across mounts.
+	generation uint64
+}
+
+// populated is the populator's record of one mount.
+type populated struct {
+	spec  *config.Mount
+	feeds []*source.Feed // one per projection
+	// snapshots and versions are the feed states the desired mount was
+	// built from.
+	snapshots []*source.Snapshot
+	versions  []uint64
+	desired   *DesiredMount
+	// rejected holds the keys already reported as rejected, so each is
+	// logged once.
+	rejected map[string]bool
+	// reported is the last payload error logged.
+	reported string
+	// stale is whether the mount was last logged as stale.
+	stale bool
+}
+
+// NewPopulator returns a populator with no mounts, reading feeds from cache.
+func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
+	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}}
+}
+
+// SetMounts makes mounts the configured mounts. A mount whose configuration
+// is unchanged keeps its feeds and desired state untouched; a changed one is
+// rebuilt; feeds no longer used are released. On error (a projection names
+// a source the cache does not have) nothing changes.
+func (p *Populator) SetMounts(mounts []*config.Mount) error {
+	next := make(map[string]*populated, len(mounts))
+	var acquired []*source.Feed
+	undo := func() {
+		for _, f := range acquired {
+			p.cache.Release(f)
+		}
+	}
+	for _, m := range mounts {
+		if old, ok := p.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) {
+			next[m.Name] = old
+			continue
+		}
+		pm := &populated{spec: m, rejected: map[string]bool{}}
+		for _, pr := range m.Projections {
+			f, err := p.cache.Acquire(pr.Source, pr.Prefix)
+			if err != nil {
+				undo()
+				return fmt.Errorf("mount %q: %w", m.Name, err)
+			}
+			acquired = append(acquired, f)
+			pm.feeds = append(pm.feeds, f)
+		}
+		pm.snapshots = make([]*source.Snapshot, len(pm.feeds))
+		pm.versions = make([]uint64, len(pm.feeds))
+		next[m.Name] = pm
+	}
+	for name, old := range p.mounts {
+		if next[name] != old {
+			for _, f := range old.feeds {
+				p.cache.Release(f)
+			}
+		}
+	}
+	p.mounts = next
+	return nil
+}
+
+// Close releases every feed.
+func (p *Populator) Close() {
+	_ = p.SetMounts(nil)
+}
+
+// Populate returns the desired state of world, rebuilding the payload of
+// every mount whose feeds published a new snapshot since the last call.
+// A mount whose feeds only changed health keeps its payload and generation.
+func (p *Populator) Populate() DesiredState {
+	dsw := make(DesiredState, len(p.mounts))
+	for name, pm := range p.mounts {
+		p.populate(pm)
+		dsw[name] = pm.desired
+	}
+	return dsw
+}
+
+func (p *Populator) populate(pm *populated) {
+	states := make([]source.FeedState, len(pm.feeds))
+	changed, rebuild := pm.desired == nil, pm.desired == nil
+	for i, f := range pm.feeds {
+		states[i] = f.State()
+		if states[i].Version != pm.versions[i] {
+			changed = true
+		}
+		if states[i].Snapshot != pm.snapshots[i] {
+			rebuild = true
+		}
+	}
+	if !changed {
+		return
+	}
+	m := pm.spec
+	d := &DesiredMount{Spec: m}
+	var projections []projector.Projection
+	var revisions []string
+	for i, pr := range m.Projections {
+		st := states[i]
+		pm.versions[i] = st.Version
+		pm.snapshots[i] = st.Snapshot
+		if st.Err != nil {
+			d.Stale = append(d.Stale, fmt.Errorf("source %q: %w", pr.Source, st.Err))
+		}
+		if st.Snapshot == nil {
+			d.Waiting = append(d.Waiting, pr.Source)
+			continue
+		}
+		revisions = append(revisions, pr.Source+"@"+st.Snapshot.Revision)
+		pp := projector.Projection{
+			Source: pr.Source, Prefix: pr.Prefix, Optional: pr.Optional,
+			Missing: st.Snapshot.Missing, Entries: st.Snapshot.Entries,
+		}
+		if pr.Items != nil {
+			pp.Items = make([]projector.Item, len(pr.Items))
+			for j, it := range pr.Items {
+				pp.Items[j] = projector.Item{Key: it.Key, Path: it.Path, Mode: it.Mode, Optional: it.Optional}
+			}
+		}
+		projections = append(projections, pp)
+	}
+	d.Revision = strings.Join(revisions, ",")
+	switch {
+	case len(d.Waiting) > 0:
+		d.Generation = 0
+	case !rebuild && pm.desired != nil:
+		// Only health changed: same payload, same generation.
+		d.Payload, d.Err, d.Generation, d.Revision = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision
+	default:
+		p.generation++
+		d.Generation = p.generation
+		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Defaults{
+			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
+		})
+		if err != nil {
+			d.Err = err
+		} else {
+			d.Payload = payload
+		}
+		p.reportRejected(pm, rejected)
+	}
+	p.reportState(pm, d)
+	pm.desired = d
+}
+
+// reportRejected logs each rejected key once, while it stays rejected.
+func (p *Populator) reportRejected(pm *populated, rejected []*projector.KeyError) {
+	now := make(map[string]bool, len(rejected))
+	for _, r := range rejected {
+		id := r.Source + "\x00" + r.Key
+		now[id] = true
+		if !pm.rejected[id] {
+			p.log.Error("rejected key; the rest of the mount is projected", "mount", r.Mount, "source", r.Source, "key", r.Key, "err", r.Err)
+		}
+	}
+	pm.rejected = now
+}
+
+// reportState logs a payload error once, and every change between stale
+// and current.
+func (p *Populator) reportState(pm *populated, d *DesiredMount) {
+	log := p.log.With("mount", pm.spec.Name)
+	errText := ""
+	if d.Err != nil {
+		errText = d.Err.Error()
+	}
+	if errText != pm.reported {
+		if d.Err != nil {
+			log.Error("cannot build mount payload; keeping last content", "err", d.Err)
+		}
+		pm.reported = errText
+	}
+	stale := len(d.Stale) > 0
+	if stale != pm.stale {
+		if stale {
+			log.Warn("mount stale: source unreachable, keeping last content", "err", errorsText(d.Stale))
+		} else {
+			log.Info("mount current: sources reachable again")
+		}
+		pm.stale = stale
+	}
+}
+
+func errorsText(errs []error) string {
+	texts := make([]string, len(errs))
+	for i, err := range errs {
+		texts[i] = err.Error()
+	}
+	slices.Sort(texts)
+	return strings.Join(texts, "; ")
+}
+
+// kvmount's own user and group, the owner of files when a mount names none.
+var processUID, processGID = os.Geteuid(), os.Getegid()
+
+// ownerID returns id, or def when id is -1 (not configured).
+func ownerID(id, def int) int {
+	if id < 0 {
+		return def
+	}
+	return id
+}
