@@ -145,4 +145,3 @@ func buildVersion() string {
 	}
 	return "devel"
 }
-

@@ -1,0 +1,32 @@
+# kvmount — make help lists the targets.
+
+GO      ?= go
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+LDFLAGS := -X main.version=$(VERSION)
+
+.DEFAULT_GOAL := help
+.PHONY: help build test fmt vet demo bench clean
+
+help: ## list the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+build: ## build bin/kvmount
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
+
+test: fmt vet ## check formatting, vet, and run every test with the race detector
+	$(GO) test -race -count=1 -timeout 30m ./...
+
+fmt: ## fail if gofmt would change a file
+	@files=$$(gofmt -l .); if [ -n "$$files" ]; then echo "gofmt would change:"; echo "$$files"; exit 1; fi
+
+vet: ## go vet
+	$(GO) vet ./...
+
+demo: ## project keys of an in-process etcd into a directory, change them, show the tree
+	$(GO) run ./examples/demo
+
+bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 1000x -count 1 ./daemon ./projector
+
+clean: ## remove build output
+	rm -rf bin dist

@@ -1,0 +1,341 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvmount/kvmount/internal/embedetcd"
+)
+
+const waitTimeout = 30 * time.Second
+
+// kvmountBin is the daemon binary, built once by TestMain.
+var kvmountBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvmount-bin")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	kvmountBin = filepath.Join(dir, "kvmount")
+	build := exec.Command("go", "build", "-race", "-o", kvmountBin, ".")
+	build.Stderr = os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building kvmount:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func runCmd(args ...string) (code int, stdout, stderr string) {
+	var out, errb bytes.Buffer
+	code = run(context.Background(), args, &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func writeFile(t *testing.T, name, body string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), name)
+	if err := os.WriteFile(path, []byte(body), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+func TestCheck(t *testing.T) {
+	valid := writeFile(t, "ok.toml", `
+[sources.main]
+type = "etcd"
+endpoints = ["http://127.0.0.1:2379"]
+
+[[mount]]
+name = "app"
+dir = "/srv/app"
+source = "main"
+prefix = "/apps/app/"
+`)
+	code, out, errOut := runCmd("check", "-config", valid)
+	if code != 0 || !strings.Contains(out, "OK (1 sources, 1 mounts)") {
+		t.Errorf("check valid = %d, %q, %q; want 0 and OK", code, out, errOut)
+	}
+
+	invalid := writeFile(t, "bad.toml", `
+[sources.main]
+type = "etcd"
+endpoints = ["127.0.0.1:2379"]
+
+[[mount]]
+name = "app"
+dir = "relative/dir"
+source = "main"
+prefx = "/apps/app/"
+
+[[mount]]
+name = "app"
+dir = "/etc"
+source = "nope"
+medium = "tmpfs"
+default_mode = "999"
+`)
+	code, out, errOut = runCmd("check", "-config", invalid)
+	if code != 1 || out != "" {
+		t.Errorf("check invalid = %d, stdout %q; want 1 and nothing", code, out)
+	}
+	for _, want := range []string{
+		invalid + `:4: sources.main.endpoints: "127.0.0.1:2379": want a URL`,
+		invalid + `:8: mount[0].dir: "relative/dir" is not an absolute path`,
+		invalid + `:10: mount[0].prefx: unknown key (did you mean "prefix"?)`,
+		invalid + `:13: mount[1].name: mount name "app" is already used by mount[0]`,
+		invalid + `:14: mount[1].dir: "/etc" is a system directory`,
+		invalid + `:15: mount[1].source: unknown source "nope"`,
+		invalid + `:16: mount[1].medium: medium "tmpfs" is not supported yet`,
+		invalid + `:17: mount[1].default_mode: bad mode "999"`,
+	} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("check output lacks %q:\n%s", want, errOut)
+		}
+	}
+
+	code, _, errOut = runCmd("check", "-config", filepath.Join(t.TempDir(), "missing.toml"))
+	if code != 1 || !strings.Contains(errOut, "no such file") {
+		t.Errorf("check missing = %d, %q", code, errOut)
+	}
+}
+
+func TestUsage(t *testing.T) {
+	if code, _, errOut := runCmd(); code != 2 || !strings.Contains(errOut, "usage:") {
+		t.Errorf("no command = %d, %q", code, errOut)
+	}
+	if code, _, errOut := runCmd("frobnicate"); code != 2 || !strings.Contains(errOut, `unknown command "frobnicate"`) {
+		t.Errorf("unknown command = %d, %q", code, errOut)
+	}
+	if code, out, _ := runCmd("version"); code != 0 || !strings.HasPrefix(out, "kvmount ") {
+		t.Errorf("version = %d, %q", code, out)
+	}
+	if code, _, _ := runCmd("check", "extra"); code != 2 {
+		t.Errorf("extra argument = %d; want 2", code)
+	}
+}
+
+// env is a real etcd and a configuration file pointing at it.
+type env struct {
+	t      *testing.T
+	etcd   *embedetcd.Server
+	cli    *clientv3.Client
+	base   string
+	config string
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	base := t.TempDir()
+	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Stop)
+	cli, err := srv.Client()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	return &env{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml")}
+}
+
+func (e *env) writeConfig(mounts ...string) {
+	e.t.Helper()
+	var b strings.Builder
+	fmt.Fprintf(&b, "state_dir = %q\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n", filepath.Join(e.base, "state"), e.etcd.Endpoint())
+	for _, m := range mounts {
+		fmt.Fprintf(&b, "[[mount]]\nname = %q\ndir = %q\nsource = \"main\"\nprefix = \"/%s/\"\n", m, e.dir(m), m)
+	}
+	if err := os.WriteFile(e.config, []byte(b.String()), 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+func (e *env) dir(mount string) string { return filepath.Join(e.base, "mnt", mount) }
+
+func (e *env) put(key, value string) {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	if _, err := e.cli.Put(ctx, key, value); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// start runs the kvmount binary.
+func (e *env) start(args ...string) (*exec.Cmd, *bytes.Buffer) {
+	e.t.Helper()
+	var logs bytes.Buffer
+	cmd := exec.Command(kvmountBin, append(args, "-config", e.config)...)
+	cmd.Stderr = &logs
+	if err := cmd.Start(); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() {
+		if cmd.ProcessState == nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+		}
+	})
+	return cmd, &logs
+}
+
+// waitFile waits until path holds want.
+func waitFile(t *testing.T, path, want string) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		got, err := os.ReadFile(path)
+		if err == nil && string(got) == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s = %q, %v; want %q", path, got, err, want)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func waitGone(t *testing.T, path string) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		if _, err := os.Lstat(path); os.IsNotExist(err) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still exists", path)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// checkOneVersion asserts that dir holds exactly one complete version and
+// no leftovers of a write.
+func checkOneVersion(t *testing.T, dir string) {
+	t.Helper()
+	list, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	target, err := os.Readlink(filepath.Join(dir, "..data"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range list {
+		name := e.Name()
+		switch {
+		case name == "..data":
+		case name == target:
+		case strings.HasPrefix(name, ".."):
+			t.Errorf("leftover %s in %s", name, dir)
+		}
+	}
+}
+
+// TestSIGTERMStopsCleanly stops the daemon during a stream of updates: it
+// must exit 0 and leave exactly one complete version.
+func TestSIGTERMStopsCleanly(t *testing.T) {
+	e := newEnv(t)
+	e.put("/app/n", "0")
+	e.writeConfig("app")
+	for round := range 3 {
+		cmd, logs := e.start("run")
+		waitFile(t, filepath.Join(e.dir("app"), "n"), fmt.Sprint(round*100))
+		for i := 1; i <= 100; i++ {
+			e.put("/app/n", fmt.Sprint(round*100+i))
+			if i == 50 {
+				if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		if err := cmd.Wait(); err != nil {
+			t.Fatalf("kvmount exited with %v after SIGTERM; logs:\n%s", err, logs)
+		}
+		if !strings.Contains(logs.String(), "kvmount stopped") {
+			t.Errorf("no clean stop in the logs:\n%s", logs)
+		}
+		checkOneVersion(t, e.dir("app"))
+	}
+}
+
+// TestSIGHUPAddsAndRemovesMounts reloads the real binary with SIGHUP.
+func TestSIGHUPAddsAndRemovesMounts(t *testing.T) {
+	e := newEnv(t)
+	e.put("/one/a", "1")
+	e.put("/two/b", "2")
+	e.writeConfig("one")
+	cmd, logs := e.start("run")
+	waitFile(t, filepath.Join(e.dir("one"), "a"), "1")
+	before, _ := os.Readlink(filepath.Join(e.dir("one"), "..data"))
+
+	e.writeConfig("two")
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitFile(t, filepath.Join(e.dir("two"), "b"), "2")
+	waitGone(t, e.dir("one"))
+
+	e.writeConfig("one", "two")
+	if err := cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	waitFile(t, filepath.Join(e.dir("one"), "a"), "1")
+	after, _ := os.Readlink(filepath.Join(e.dir("two"), "..data"))
+	e.put("/two/b", "3")
+	waitFile(t, filepath.Join(e.dir("two"), "b"), "3")
+	if before == "" || after == "" {
+		t.Errorf("no version: %q %q", before, after)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit %v; logs:\n%s", err, logs)
+	}
+}
+
+func TestOnceExitCodes(t *testing.T) {
+	e := newEnv(t)
+	e.put("/app/a", "1")
+	e.writeConfig("app")
+	if code, _, errOut := runCmd("once", "-config", e.config); code != 0 {
+		t.Fatalf("once = %d; stderr:\n%s", code, errOut)
+	}
+	waitFile(t, filepath.Join(e.dir("app"), "a"), "1")
+	e.writeConfig("app", "missing")
+	code, _, errOut := runCmd("once", "-config", e.config, "-timeout", "10s")
+	if code != 1 || !strings.Contains(errOut, `missing: mount "missing": source "main": prefix "/missing/" does not exist`) {
+		t.Errorf("once with a missing prefix = %d; stderr:\n%s", code, errOut)
+	}
+}
+
+// TestExamplesAreValid checks every example configuration.
+func TestExamplesAreValid(t *testing.T) {
+	files, err := filepath.Glob("../../examples/*.toml")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no examples: %v", err)
+	}
+	for _, f := range files {
+		if code, out, errOut := runCmd("check", "-config", f); code != 0 {
+			t.Errorf("%s: check = %d\n%s%s", f, code, out, errOut)
+		}
+	}
+}
