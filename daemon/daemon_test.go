@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -354,5 +355,46 @@ func TestOnceWithEtcdDown(t *testing.T) {
 	}
 	if d := time.Since(start); d > 10*time.Second {
 		t.Errorf("Once took %v to give up on an unreachable etcd; want about the dial timeout", d)
+	}
+}
+
+// TestOwnersAndModes projects with a numeric user and group, a default mode
+// and an item mode: files, directories and visible symlinks get them.
+func TestOwnersAndModes(t *testing.T) {
+	if os.Geteuid() != 0 {
+		if os.Getenv("CI") == "true" {
+			t.Fatal("changing owners needs root, and CI runs as root")
+		}
+		t.Skip("changing owners needs root")
+	}
+	h := newHarness(t)
+	h.put("/own/a", "1", "/own/dir/b", "2", "/own/secret", "s")
+	h.writeConfig(h.mount("own", "/own/", `user = "1234"`, `group = "5678"`, `default_mode = "0640"`,
+		"[[mount.items]]\nkey = \"a\"\npath = \"a\"\n[[mount.items]]\nkey = \"dir/b\"\npath = \"dir/b\"\n[[mount.items]]\nkey = \"secret\"\npath = \"secret\"\nmode = \"0400\""))
+	h.start()
+	dir := h.path("mnt", "own")
+	h.waitContent(dir, map[string]string{"a": "1", "dir/b": "2", "secret": "s"})
+	for path, mode := range map[string]os.FileMode{"a": 0o640, "dir/b": 0o640, "secret": 0o400} {
+		info, err := os.Stat(filepath.Join(dir, path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := info.Sys().(*syscall.Stat_t)
+		if info.Mode().Perm() != mode || st.Uid != 1234 || st.Gid != 5678 {
+			t.Errorf("%s: mode %v owner %d:%d; want %v 1234:5678", path, info.Mode().Perm(), st.Uid, st.Gid, mode)
+		}
+	}
+	version, err := os.Readlink(filepath.Join(dir, "..data"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, path := range []string{".", "..data", version, version + "/dir", "dir", "a"} {
+		info, err := os.Lstat(filepath.Join(dir, path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := info.Sys().(*syscall.Stat_t); st.Uid != 1234 || st.Gid != 5678 {
+			t.Errorf("%s owned by %d:%d; want 1234:5678", path, st.Uid, st.Gid)
+		}
 	}
 }

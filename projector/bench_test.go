@@ -76,3 +76,43 @@ func BenchmarkWriteNoChange(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkFilesystemOps measures the system calls a write is made of, one
+// per iteration, in the test's temporary directory (choose the file system
+// with TMPDIR): they set the floor under BenchmarkWriteOneChange.
+func BenchmarkFilesystemOps(b *testing.B) {
+	dirs := func(b *testing.B) (src, dst string) {
+		src, dst = b.TempDir(), b.TempDir()
+		for i := range b.N {
+			if err := os.WriteFile(fmt.Sprintf("%s/f%d", src, i), nil, 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.ResetTimer()
+		return src, dst
+	}
+	b.Run("create", func(b *testing.B) {
+		_, dst := dirs(b)
+		for i := range b.N {
+			if err := os.WriteFile(fmt.Sprintf("%s/f%d", dst, i), []byte("value"), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("link", func(b *testing.B) {
+		src, dst := dirs(b)
+		for i := range b.N {
+			if err := os.Link(fmt.Sprintf("%s/f%d", src, i), fmt.Sprintf("%s/f%d", dst, i)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("unlink", func(b *testing.B) {
+		src, _ := dirs(b)
+		for i := range b.N {
+			if err := os.Remove(fmt.Sprintf("%s/f%d", src, i)); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}

@@ -592,6 +592,12 @@ func (w *AtomicWriter) switchTo(name string) error {
 	if err := w.root.Symlink(name, dataTmpName); err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
+	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
+		if err := w.root.Lchown(dataTmpName, w.opts.DirUID, w.opts.DirGID); err != nil {
+			_ = w.root.Remove(dataTmpName)
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
 	if err := w.root.Rename(dataTmpName, DataDirName); err != nil {
 		_ = w.root.Remove(dataTmpName)
 		return fmt.Errorf("atomic writer: %w", err)

@@ -258,6 +258,11 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 		if err := os.MkdirAll(spec.Dir, 0o755); err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
 		}
+		if spec.UID >= 0 || spec.GID >= 0 {
+			if err := os.Lchown(spec.Dir, spec.UID, spec.GID); err != nil {
+				return fmt.Errorf("mount %q: %w", name, err)
+			}
+		}
 	case err != nil:
 		return fmt.Errorf("mount %q: %w", name, err)
 	case !info.IsDir():
