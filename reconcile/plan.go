@@ -3,6 +3,7 @@ package reconcile
 import (
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -60,7 +61,10 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //   - a mount whose last operation failed waits for its backoff, unless its
 //     desired generation changed since;
 //   - a desired mount that is not ready is left as it is, keeping its last
-//     content.
+//     content;
+//   - a mount is not set up while another mount still holds its directory,
+//     or one inside or around it (two mounts that swapped directories wait
+//     for each other's teardown).
 func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
 	names := make([]string, 0, len(dsw)+len(asw.Mounts))
 	for name := range dsw {
@@ -77,7 +81,7 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 			continue
 		}
 		op, ok := planMount(name, dsw[name], asw.Mounts[name])
-		if !ok {
+		if !ok || op.Kind == Setup && dirTaken(name, dsw[name].Spec.Dir, asw) {
 			continue
 		}
 		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
@@ -112,4 +116,20 @@ func planMount(name string, d *DesiredMount, a *ActualMount) (Op, bool) {
 		return Op{Kind: Verify, Mount: name}, true
 	}
 	return Op{}, false
+}
+
+// dirTaken reports whether a projected mount other than name holds dir, a
+// directory inside it or one around it.
+func dirTaken(name, dir string, asw *ActualState) bool {
+	for other, a := range asw.Mounts {
+		if other != name && (within(a.Dir, dir) || within(dir, a.Dir)) {
+			return true
+		}
+	}
+	return false
+}
+
+// within reports whether dir is parent or lies inside it.
+func within(dir, parent string) bool {
+	return dir == parent || strings.HasPrefix(dir, strings.TrimSuffix(parent, "/")+"/")
 }

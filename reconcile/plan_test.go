@@ -67,6 +67,12 @@ func TestPlan(t *testing.T) {
 		{name: "earliest retry", dsw: DesiredState{"a": ready("/a", 1), "b": ready("/b", 1)},
 			failures: map[string]*Failure{"a": {NextRetry: now.Add(5 * time.Second), Generation: 1}, "b": {NextRetry: now.Add(time.Second), Generation: 1}},
 			want:     "[]", wantRetry: now.Add(time.Second)},
+		{name: "swapped dirs wait for each other's teardown", dsw: DesiredState{"a": ready("/y", 2), "b": ready("/x", 2)},
+			mounts: map[string]*ActualMount{"a": actual("/x", 2), "b": actual("/y", 2)}, want: "[teardown a teardown b]"},
+		{name: "set up once the other is torn down", dsw: DesiredState{"a": ready("/y", 2), "b": ready("/x", 2)},
+			mounts: map[string]*ActualMount{"b": actual("/y", 2)}, want: "[teardown b]"},
+		{name: "a dir inside another mount's waits", dsw: DesiredState{"a": ready("/x/inner", 1)},
+			mounts: map[string]*ActualMount{"old": actual("/x", 1)}, want: "[teardown old]"},
 		{name: "sorted by name", dsw: DesiredState{"c": ready("/c", 1), "a": ready("/a", 1)}, mounts: map[string]*ActualMount{"b": actual("/b", 1)},
 			want: "[setup a teardown b setup c]"},
 	}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/projector"
 )
 
@@ -230,6 +231,11 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 // project writes payload into the mount, opening (and adopting) its
 // directory first if needed.
 func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, payload projector.Payload) (projector.Change, error) {
+	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID) {
+		// The writer carries the directories' owner: open it anew.
+		rt.writer.Close()
+		rt.writer = nil
+	}
 	if rt.writer == nil {
 		if err := r.open(name, spec, rt); err != nil {
 			return projector.Change{}, err
@@ -248,25 +254,18 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 // before it is created, so that a crash in between leaves nothing unowned.
 func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	rec := Record{Dir: spec.Dir, Medium: spec.Medium}
-	info, err := os.Lstat(spec.Dir)
+	exists, err := fsutil.DirExists(spec.Dir)
 	switch {
-	case errors.Is(err, fs.ErrNotExist):
+	case err != nil:
+		return fmt.Errorf("mount %q: %w", name, err)
+	case !exists:
 		rec.CreatedDir = true
 		if err := r.owned.Set(name, rec); err != nil {
 			return err
 		}
-		if err := os.MkdirAll(spec.Dir, 0o755); err != nil {
+		if err := fsutil.MakeDir(spec.Dir, 0o755, spec.UID, spec.GID); err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
 		}
-		if spec.UID >= 0 || spec.GID >= 0 {
-			if err := os.Lchown(spec.Dir, spec.UID, spec.GID); err != nil {
-				return fmt.Errorf("mount %q: %w", name, err)
-			}
-		}
-	case err != nil:
-		return fmt.Errorf("mount %q: %w", name, err)
-	case !info.IsDir():
-		return fmt.Errorf("mount %q: %s is not a directory", name, spec.Dir)
 	default:
 		if old, ok := r.owned.Get(name); ok && old.Dir == spec.Dir {
 			rec.CreatedDir = old.CreatedDir

@@ -1,0 +1,63 @@
+package fsutil
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+)
+
+func TestDirExists(t *testing.T) {
+	base := t.TempDir()
+	file := filepath.Join(base, "file")
+	link := filepath.Join(base, "link")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(base, link); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		path    string
+		want    bool
+		wantErr error
+	}{
+		{base, true, nil},
+		{filepath.Join(base, "missing"), false, nil},
+		{file, false, ErrNotDir},
+		{link, false, ErrNotDir},
+	}
+	for _, tt := range tests {
+		got, err := DirExists(tt.path)
+		if got != tt.want || !errors.Is(err, tt.wantErr) {
+			t.Errorf("DirExists(%s) = %v, %v; want %v, %v", tt.path, got, err, tt.want, tt.wantErr)
+		}
+	}
+}
+
+func TestMakeDir(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "a", "b")
+	uid, gid := -1, -1
+	if os.Geteuid() == 0 {
+		uid, gid = 4321, 8765
+	}
+	if err := MakeDir(dir, 0o755, uid, gid); err != nil {
+		t.Fatal(err)
+	}
+	info, err := os.Stat(dir)
+	if err != nil || !info.IsDir() {
+		t.Fatalf("Stat = %v, %v", info, err)
+	}
+	st := info.Sys().(*syscall.Stat_t)
+	if uid >= 0 && (int(st.Uid) != uid || int(st.Gid) != gid) {
+		t.Errorf("owner %d:%d; want %d:%d", st.Uid, st.Gid, uid, gid)
+	}
+	parent, _ := os.Stat(filepath.Dir(dir))
+	if pst := parent.Sys().(*syscall.Stat_t); uid >= 0 && int(pst.Uid) == uid {
+		t.Errorf("the parent got the mount's owner too")
+	}
+	if err := MakeDir(dir, 0o755, -1, -1); err != nil {
+		t.Errorf("MakeDir on an existing directory: %v", err)
+	}
+}
