@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/projector"
 )
@@ -32,7 +33,7 @@ func TestPutUpdateDeletePropagate(t *testing.T) {
 	h.waitContent(dir, map[string]string{"app.conf": "v2", "tls/cert.pem": "CERT"})
 	h.put("/apps/app/new.conf", "new")
 	h.waitContent(dir, map[string]string{"app.conf": "v2", "tls/cert.pem": "CERT", "new.conf": "new"})
-	h.put("/apps/app/tls/cert.pem", "<delete>")
+	h.put("/apps/app/tls/cert.pem", etcdtest.Delete)
 	h.waitContent(dir, map[string]string{"app.conf": "v2", "new.conf": "new"})
 	h.waitGone(filepath.Join(dir, "tls"))
 	info, err := os.Stat(filepath.Join(dir, "app.conf"))
@@ -124,7 +125,7 @@ func TestCompactionRecovery(t *testing.T) {
 	h.waitContent(dir, map[string]string{"keep": "1", "gone": "2"})
 
 	proxy.Cut()
-	h.put("/c/gone", "<delete>")
+	h.put("/c/gone", etcdtest.Delete)
 	h.put("/c/new", "3")
 	resp, err := h.cli.Get(context.Background(), "/c/keep")
 	if err != nil {

@@ -17,6 +17,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
+	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/etcd"
@@ -77,16 +78,7 @@ type harness struct {
 func newHarness(t *testing.T) *harness {
 	t.Helper()
 	base := t.TempDir()
-	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Stop)
-	cli, err := srv.Client()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	srv, cli := etcdtest.Start(t)
 	h := &harness{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml"), endpoint: srv.Endpoint(), logs: &syncBuffer{}}
 	t.Cleanup(func() {
 		h.stop()
@@ -192,19 +184,7 @@ func (h *harness) waitReady() {
 
 func (h *harness) put(kv ...string) {
 	h.t.Helper()
-	var ops []clientv3.Op
-	for i := 0; i < len(kv); i += 2 {
-		if kv[i+1] == "<delete>" {
-			ops = append(ops, clientv3.OpDelete(kv[i]))
-		} else {
-			ops = append(ops, clientv3.OpPut(kv[i], kv[i+1]))
-		}
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	if _, err := h.cli.Txn(ctx).Then(ops...).Commit(); err != nil {
-		h.t.Fatal(err)
-	}
+	etcdtest.Put(h.t, h.cli, kv...)
 }
 
 // content returns the files of the mount at dir, read through the visible

@@ -15,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
+	"github.com/kvmount/kvmount/internal/etcdtest"
 )
 
 const waitTimeout = 30 * time.Second
@@ -142,16 +143,7 @@ type env struct {
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	base := t.TempDir()
-	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Stop)
-	cli, err := srv.Client()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	srv, cli := etcdtest.Start(t)
 	return &env{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml")}
 }
 
@@ -171,11 +163,7 @@ func (e *env) dir(mount string) string { return filepath.Join(e.base, "mnt", mou
 
 func (e *env) put(key, value string) {
 	e.t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	if _, err := e.cli.Put(ctx, key, value); err != nil {
-		e.t.Fatal(err)
-	}
+	etcdtest.Put(e.t, e.cli, key, value)
 }
 
 // start runs the kvmount binary.

@@ -10,10 +10,8 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
 	"github.com/kvmount/kvmount/config"
-	"github.com/kvmount/kvmount/internal/embedetcd"
+	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -22,26 +20,6 @@ import (
 const waitTimeout = 20 * time.Second
 
 var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
-
-func startEtcd(t *testing.T) *embedetcd.Server {
-	t.Helper()
-	srv, err := embedetcd.Start(t.TempDir(), embedetcd.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Stop)
-	return srv
-}
-
-func client(t *testing.T, srv *embedetcd.Server) *clientv3.Client {
-	t.Helper()
-	cli, err := srv.Client()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
-	return cli
-}
 
 // recorder is a source.Publisher that keeps everything it is given.
 type recorder struct {
@@ -149,37 +127,19 @@ func follow(t *testing.T, cfg *Config, prefix string) *recorder {
 	return rec
 }
 
-func put(t *testing.T, cli *clientv3.Client, kv ...string) {
-	t.Helper()
-	ops := make([]clientv3.Op, 0, len(kv)/2)
-	for i := 0; i < len(kv); i += 2 {
-		if kv[i+1] == "<delete>" {
-			ops = append(ops, clientv3.OpDelete(kv[i]))
-		} else {
-			ops = append(ops, clientv3.OpPut(kv[i], kv[i+1]))
-		}
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	if _, err := cli.Txn(ctx).Then(ops...).Commit(); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestFollowPutUpdateDelete(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/app/a", "1", "/app/dir/b", "2", "/other/x", "no")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/app/a", "1", "/app/dir/b", "2", "/other/x", "no")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/app/")
 	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1", "dir/b": "2"}))
-	put(t, cli, "/app/c", "3")
+	etcdtest.Put(t, cli, "/app/c", "3")
 	rec.waitFor(t, "add", lastIs(map[string]string{"a": "1", "dir/b": "2", "c": "3"}))
-	put(t, cli, "/app/a", "one")
+	etcdtest.Put(t, cli, "/app/a", "one")
 	rec.waitFor(t, "update", lastIs(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
-	put(t, cli, "/app/dir/b", "<delete>")
+	etcdtest.Put(t, cli, "/app/dir/b", etcdtest.Delete)
 	rec.waitFor(t, "delete", lastIs(map[string]string{"a": "one", "c": "3"}))
-	put(t, cli, "/other/y", "ignored", "/app/a", "one") // no change under /app/
-	put(t, cli, "/app/a", "<delete>", "/app/c", "<delete>")
+	etcdtest.Put(t, cli, "/other/y", "ignored", "/app/a", "one") // no change under /app/
+	etcdtest.Put(t, cli, "/app/a", etcdtest.Delete, "/app/c", etcdtest.Delete)
 	rec.waitFor(t, "delete all", func(snaps []source.Snapshot, _ error) bool {
 		last := snaps[len(snaps)-1]
 		return len(last.Entries) == 0 && last.Missing
@@ -194,15 +154,14 @@ func TestFollowPutUpdateDelete(t *testing.T) {
 // TestTransactionIsOneSnapshot checks that the keys of one transaction are
 // never split across snapshots.
 func TestTransactionIsOneSnapshot(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/tx/a", "0", "/tx/b", "0", "/tx/c", "0")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/tx/a", "0", "/tx/b", "0", "/tx/c", "0")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/tx/")
 	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "0", "b": "0", "c": "0"}))
 	const rounds = 200
 	for i := 1; i <= rounds; i++ {
 		v := fmt.Sprint(i)
-		put(t, cli, "/tx/a", v, "/tx/b", v, "/tx/c", v)
+		etcdtest.Put(t, cli, "/tx/a", v, "/tx/b", v, "/tx/c", v)
 	}
 	final := fmt.Sprint(rounds)
 	rec.waitFor(t, "last transaction", lastIs(map[string]string{"a": final, "b": final, "c": final}))
@@ -221,8 +180,7 @@ func TestLargePrefix(t *testing.T) {
 	if testing.Short() {
 		t.Skip("100,000 keys take a while; run without -short")
 	}
-	srv := startEtcd(t)
-	cli := client(t, srv)
+	srv, cli := etcdtest.Start(t)
 	const n = 100_000
 	const batch = 100 // below etcd's default --max-txn-ops of 128
 	for i := 0; i < n; i += batch {
@@ -230,13 +188,13 @@ func TestLargePrefix(t *testing.T) {
 		for j := i; j < i+batch; j++ {
 			kv = append(kv, fmt.Sprintf("/big/key-%06d", j), fmt.Sprint(j))
 		}
-		put(t, cli, kv...)
+		etcdtest.Put(t, cli, kv...)
 	}
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/big/")
 	rec.waitFor(t, "100,000 keys", func(snaps []source.Snapshot, _ error) bool {
 		return len(snaps) > 0 && len(snaps[len(snaps)-1].Entries) == n
 	})
-	put(t, cli, "/big/key-000000", "changed")
+	etcdtest.Put(t, cli, "/big/key-000000", "changed")
 	rec.waitFor(t, "a change after the large read", func(snaps []source.Snapshot, _ error) bool {
 		last := snaps[len(snaps)-1]
 		return string(last.Entries["key-000000"]) == "changed" && string(last.Entries["key-099999"]) == "99999" && len(last.Entries) == n
@@ -247,13 +205,12 @@ func TestLargePrefix(t *testing.T) {
 // the follower must re-read the prefix, and keys deleted meanwhile must be
 // gone from the next snapshot.
 func TestCompactionRereads(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/c/keep", "1", "/c/gone", "2")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/c/keep", "1", "/c/gone", "2")
 	var once sync.Once
 	testHookAfterList = func() {
 		once.Do(func() {
-			put(t, cli, "/c/gone", "<delete>", "/c/new", "3")
+			etcdtest.Put(t, cli, "/c/gone", etcdtest.Delete, "/c/new", "3")
 			resp, err := cli.Get(context.Background(), "/c/keep")
 			if err != nil {
 				t.Error(err)
@@ -267,7 +224,7 @@ func TestCompactionRereads(t *testing.T) {
 	t.Cleanup(func() { testHookAfterList = nil })
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/c/")
 	rec.waitFor(t, "snapshot after compaction", lastIs(map[string]string{"keep": "1", "new": "3"}))
-	put(t, cli, "/c/later", "4")
+	etcdtest.Put(t, cli, "/c/later", "4")
 	rec.waitFor(t, "watch resumed after compaction", lastIs(map[string]string{"keep": "1", "new": "3", "later": "4"}))
 }
 
@@ -275,9 +232,8 @@ func TestCompactionRereads(t *testing.T) {
 // follower reports the source unreachable, keeps going, and delivers writes
 // made after etcd is back.
 func TestOutageKeepsLastSnapshot(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/o/a", "1")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/o/a", "1")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: time.Second}, "/o/")
 	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1"}))
 	srv.Stop() // takes etcd's request timeout (7 s) to end the open watch
@@ -286,16 +242,15 @@ func TestOutageKeepsLastSnapshot(t *testing.T) {
 		t.Fatal(err)
 	}
 	rec.waitFor(t, "healthy status", func(_ []source.Snapshot, err error) bool { return err == nil })
-	put(t, cli, "/o/a", "2")
+	etcdtest.Put(t, cli, "/o/a", "2")
 	rec.waitFor(t, "write after restart", lastIs(map[string]string{"a": "2"}))
 }
 
 // TestStartsWhileEtcdIsDown follows a prefix of an etcd that is not running
 // yet: the follower reports it unreachable and reads it once it runs.
 func TestStartsWhileEtcdIsDown(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/d/a", "1")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/d/a", "1")
 	srv.Stop()
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: time.Second}, "/d/")
 	rec.waitFor(t, "stale status", func(_ []source.Snapshot, err error) bool { return err != nil })
@@ -306,19 +261,18 @@ func TestStartsWhileEtcdIsDown(t *testing.T) {
 }
 
 func TestPoll(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "/p/a", "1")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/p/a", "1")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Poll, PollInterval: 50 * time.Millisecond}, "/p/")
 	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1"}))
-	put(t, cli, "/p/a", "2", "/p/b", "3")
+	etcdtest.Put(t, cli, "/p/a", "2", "/p/b", "3")
 	rec.waitFor(t, "polled change", lastIs(map[string]string{"a": "2", "b": "3"}))
-	put(t, cli, "/p/a", "<delete>")
+	etcdtest.Put(t, cli, "/p/a", etcdtest.Delete)
 	rec.waitFor(t, "polled delete", lastIs(map[string]string{"b": "3"}))
 	rec.mu.Lock()
 	n := len(rec.snaps)
 	rec.mu.Unlock()
-	put(t, cli, "/elsewhere", "x") // moves the revision, changes nothing under /p/
+	etcdtest.Put(t, cli, "/elsewhere", "x") // moves the revision, changes nothing under /p/
 	time.Sleep(300 * time.Millisecond)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
@@ -328,12 +282,11 @@ func TestPoll(t *testing.T) {
 }
 
 func TestEmptyPrefixIsEveryKey(t *testing.T) {
-	srv := startEtcd(t)
-	cli := client(t, srv)
-	put(t, cli, "a", "1", "/b/c", "2")
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "a", "1", "/b/c", "2")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "")
 	rec.waitFor(t, "every key", lastIs(map[string]string{"a": "1", "/b/c": "2"}))
-	put(t, cli, "z", "3")
+	etcdtest.Put(t, cli, "z", "3")
 	rec.waitFor(t, "watch of every key", lastIs(map[string]string{"a": "1", "/b/c": "2", "z": "3"}))
 }
 
