@@ -64,7 +64,8 @@ type WriterOptions struct {
 //
 //  1. Validate every path (CleanPath).
 //  2. Compare the payload with the current version (data, mode, owner). When
-//     nothing changed, only re-create missing visible symlinks and return.
+//     nothing changed, return; after Adopt, first re-create visible symlinks
+//     a crash left missing (kubernetes#121472).
 //  3. Create a new version directory ..<UTC time>.<random>; write files that
 //     changed with exclusive create (never through a symlink), chmod and chown
 //     the open file, fsync it when Sync is set; hard-link unchanged files
@@ -72,11 +73,13 @@ type WriterOptions struct {
 //  4. Point ..data_tmp at the new version and rename it over ..data: the one
 //     atomic switch. fsync the mount directory.
 //  5. Create missing visible symlinks, remove visible symlinks no longer in
-//     the payload, remove every other version directory.
+//     the payload, remove the previous version directory.
 //
-// Every operation goes through an os.Root opened on the mount directory, so
-// nothing outside it is ever created, changed or removed. An AtomicWriter is
-// not safe for concurrent use; one writer owns a mount directory.
+// Every operation goes through an os.Root opened on the mount directory, or
+// through a directory handle opened from it without following symlinks with
+// a single path element, so nothing outside the mount directory is ever
+// created, changed or removed. An AtomicWriter is not safe for concurrent
+// use; one writer owns a mount directory.
 type AtomicWriter struct {
 	dir     string
 	root    *os.Root
@@ -454,11 +457,11 @@ type dirHandles map[string]*os.File
 // open returns the handle of dir, opening it relative to its parent (without
 // following symlinks) if needed; nil if it cannot be opened.
 func (h dirHandles) open(dir string) *os.File {
-	if d, ok := h[dir]; ok {
+	if d, ok := h[dir]; ok || dir == "." {
 		return d
 	}
 	parent := h.open(path.Dir(dir))
-	if parent == nil || dir == "." {
+	if parent == nil {
 		return nil
 	}
 	fd, err := unix.Openat(int(parent.Fd()), path.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
