@@ -5,7 +5,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo deve
 LDFLAGS := -X main.version=$(VERSION)
 
 .DEFAULT_GOAL := help
-.PHONY: help build test fmt vet demo bench clean
+.PHONY: help build test fmt vet consul-agent demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -13,8 +13,12 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet ## check formatting, vet, and run every test with the race detector
-	$(GO) test -race -count=1 -timeout 30m ./...
+test: fmt vet ## check formatting, vet, and run every test with the race detector (builds a Consul agent once)
+	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
+		KVMOUNT_CONSUL=$$bin $(GO) test -race -count=1 -timeout 30m ./...
+
+consul-agent: ## build (once) and print the Consul agent the tests run, cached outside the repository
+	@scripts/consul-agent.sh
 
 fmt: ## fail if gofmt would change a file
 	@files=$$(gofmt -l .); if [ -n "$$files" ]; then echo "gofmt would change:"; echo "$$files"; exit 1; fi
@@ -26,8 +30,9 @@ demo: ## project keys of an in-process etcd into a directory, change them, show 
 	$(GO) run ./examples/demo
 
 bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
-	$(GO) test -run '^$$' -bench . -benchmem -benchtime 1000x -count 1 ./daemon
+	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -benchmem -benchtime 1000x -count 1 ./daemon
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
+	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
 
 clean: ## remove build output
 	rm -rf bin dist

@@ -13,10 +13,12 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
+	"github.com/hashicorp/consul/api"
 	"golang.org/x/sys/unix"
 
+	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/embedetcd"
+	"github.com/kvmount/kvmount/internal/etcdtest"
 )
 
 // switchWatcher reports each switch of a mount's ..data, through inotify,
@@ -55,33 +57,72 @@ func (w *switchWatcher) wait(b *testing.B) {
 	}
 }
 
-// benchDaemon runs kvmount against a real etcd, with fsync on both sides,
-// projecting /bench/ into a disk mount, after seeding it with keys.
-func benchDaemon(b *testing.B, keys int) (cli *clientv3.Client, dir string) {
-	b.Helper()
-	base := b.TempDir()
-	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{Fsync: true})
+// benchStore is the store a latency benchmark writes to.
+type benchStore struct {
+	// source is the [sources.main] table reaching the store.
+	source string
+	// prefix is where the benchmark's keys live.
+	prefix string
+	// put writes one key.
+	put func(key, value string) error
+	// seed writes many keys.
+	seed func(kv []string)
+}
+
+// etcdStore starts an in-process etcd with fsync on.
+func etcdStore(b *testing.B) benchStore {
+	srv, err := embedetcd.Start(filepath.Join(b.TempDir(), "etcd"), embedetcd.Options{Fsync: true})
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(srv.Stop)
-	cli, err = srv.Client()
+	cli, err := srv.Client()
 	if err != nil {
 		b.Fatal(err)
 	}
 	b.Cleanup(func() { cli.Close() })
+	return benchStore{
+		source: fmt.Sprintf("type = \"etcd\"\nendpoints = [%q]\n", srv.Endpoint()),
+		prefix: "/bench/",
+		put: func(key, value string) error {
+			_, err := cli.Put(context.Background(), key, value)
+			return err
+		},
+		seed: func(kv []string) { etcdtest.Put(b, cli, kv...) },
+	}
+}
+
+// consulStore starts a consul agent (-dev: in memory, so no fsync).
+func consulStore(b *testing.B) benchStore {
+	agent := consultest.Start(b)
+	client := agent.Client()
+	return benchStore{
+		source: fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),
+		prefix: "bench/",
+		put: func(key, value string) error {
+			_, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte(value)}, nil)
+			return err
+		},
+		seed: func(kv []string) { consultest.Txn(b, client, kv...) },
+	}
+}
+
+// benchDaemon runs the kvmount binary against store, projecting its prefix
+// into a disk mount after seeding it with keys, and returns the mount
+// directory once it holds them all.
+func benchDaemon(b *testing.B, store benchStore, keys int) (dir string) {
+	b.Helper()
+	base := b.TempDir()
 	for i := 0; i < keys; i += 100 {
-		var ops []clientv3.Op
+		var kv []string
 		for j := i; j < min(i+100, keys); j++ {
-			ops = append(ops, clientv3.OpPut(fmt.Sprintf("/bench/key-%05d", j), fmt.Sprintf("value %d, padded to look like a small config line", j)))
+			kv = append(kv, fmt.Sprintf("%skey-%05d", store.prefix, j), fmt.Sprintf("value %d, padded to look like a small config line", j))
 		}
-		if _, err := cli.Txn(context.Background()).Then(ops...).Commit(); err != nil {
-			b.Fatal(err)
-		}
+		store.seed(kv)
 	}
 	dir = filepath.Join(base, "mnt")
-	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = \"/bench/\"\n",
-		filepath.Join(base, "state"), srv.Endpoint(), dir)
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\n",
+		filepath.Join(base, "state"), store.source, dir, store.prefix)
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
@@ -100,14 +141,13 @@ func benchDaemon(b *testing.B, keys int) (cli *clientv3.Client, dir string) {
 	deadline := time.Now().Add(waitTimeout)
 	for {
 		if got, _ := content(dir); len(got) == keys {
-			break
+			return dir
 		}
 		if time.Now().After(deadline) {
 			b.Fatalf("mount never held %d keys", keys)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	return cli, dir
 }
 
 var (
@@ -141,7 +181,7 @@ func buildKvmount(b *testing.B) string {
 // percentiles of two latencies: from the start of the put to the switch
 // of ..data (end to end, etcd's commit and fsync included) and from the put's
 // return to the switch (kvmount's own share).
-func measureUpdates(b *testing.B, cli *clientv3.Client, dir string, key func(i int) string) {
+func measureUpdates(b *testing.B, store benchStore, dir string, key func(i int) string) {
 	w := watchSwitches(b, dir)
 	total := make([]time.Duration, 0, b.N)
 	after := make([]time.Duration, 0, b.N)
@@ -150,7 +190,7 @@ func measureUpdates(b *testing.B, cli *clientv3.Client, dir string, key func(i i
 		k := key(i)
 		value := fmt.Sprintf("update %d", i)
 		start := time.Now()
-		if _, err := cli.Put(context.Background(), "/bench/"+k, value); err != nil {
+		if err := store.put(store.prefix+k, value); err != nil {
 			b.Fatal(err)
 		}
 		committed := time.Now()
@@ -179,17 +219,27 @@ func report(b *testing.B, name string, d []time.Duration) {
 	b.ReportMetric(float64(d[len(d)-1])/float64(time.Millisecond), name+"-max-ms")
 }
 
-// BenchmarkPutToFile is the latency from an etcd put of one key to the new
-// content being visible in a one-key disk mount. Run with -benchtime 1000x
-// or more: percentiles are over b.N sequential updates.
+// BenchmarkPutToFile is the latency from a put of one key, in etcd and in
+// Consul, to the new content being visible in a one-key disk mount. Run
+// with -benchtime 1000x or more: percentiles are over b.N sequential
+// updates.
 func BenchmarkPutToFile(b *testing.B) {
-	cli, dir := benchDaemon(b, 1)
-	measureUpdates(b, cli, dir, func(int) string { return "key-00000" })
+	for _, s := range []struct {
+		name  string
+		store func(*testing.B) benchStore
+	}{{"etcd", etcdStore}, {"consul", consulStore}} {
+		b.Run(s.name, func(b *testing.B) {
+			store := s.store(b)
+			dir := benchDaemon(b, store, 1)
+			measureUpdates(b, store, dir, func(int) string { return "key-00000" })
+		})
+	}
 }
 
-// BenchmarkOneChangeIn1000KeyMount is the same latency when the mount holds
-// 1,000 keys and each update changes one of them.
+// BenchmarkOneChangeIn1000KeyMount is the latency, through etcd, when the
+// mount holds 1,000 keys and each update changes one of them.
 func BenchmarkOneChangeIn1000KeyMount(b *testing.B) {
-	cli, dir := benchDaemon(b, 1000)
-	measureUpdates(b, cli, dir, func(i int) string { return fmt.Sprintf("key-%05d", (i*7)%1000) })
+	store := etcdStore(b)
+	dir := benchDaemon(b, store, 1000)
+	measureUpdates(b, store, dir, func(i int) string { return fmt.Sprintf("key-%05d", (i*7)%1000) })
 }

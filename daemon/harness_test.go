@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,7 +21,9 @@ import (
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/etcd"
+	httpsource "github.com/kvmount/kvmount/source/http"
 )
 
 // waitTimeout bounds every wait in these tests. Changes propagate in
@@ -60,7 +63,8 @@ func (b *syncBuffer) count(parts ...string) int {
 	return n
 }
 
-// harness runs the daemon in-process against a real etcd.
+// harness runs the daemon in-process against a real store: etcd unless a
+// test sets sources.
 type harness struct {
 	t        *testing.T
 	etcd     *embedetcd.Server
@@ -68,6 +72,9 @@ type harness struct {
 	base     string // temporary directory for everything
 	config   string // configuration file
 	endpoint string // what kvmount dials (etcd, or a proxy in front of it)
+	// sources returns the [sources.*] tables of the configuration; nil
+	// means the etcd source "main" dialing endpoint.
+	sources  func() string
 	logs     *syncBuffer
 	reload   chan os.Signal
 	notified chan string
@@ -75,11 +82,20 @@ type harness struct {
 	done     chan error
 }
 
+// newHarness returns a harness with its own etcd.
 func newHarness(t *testing.T) *harness {
 	t.Helper()
+	h := newBareHarness(t)
+	h.etcd, h.cli = etcdtest.Start(t)
+	h.endpoint = h.etcd.Endpoint()
+	return h
+}
+
+// newBareHarness returns a harness without a store; the test sets sources.
+func newBareHarness(t *testing.T) *harness {
+	t.Helper()
 	base := t.TempDir()
-	srv, cli := etcdtest.Start(t)
-	h := &harness{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml"), endpoint: srv.Endpoint(), logs: &syncBuffer{}}
+	h := &harness{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &syncBuffer{}}
 	t.Cleanup(func() {
 		h.stop()
 		if t.Failed() {
@@ -95,19 +111,20 @@ func (h *harness) path(parts ...string) string {
 }
 
 // writeConfig writes the configuration file: a header with the state
-// directory, a fast resync and the etcd source "main", then mounts.
+// directory and a fast resync, the sources (by default the etcd source
+// "main"), then mounts.
 func (h *harness) writeConfig(mounts string) {
 	h.t.Helper()
+	sources := fmt.Sprintf("[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\ndial_timeout = \"1s\"\n", h.endpoint)
+	if h.sources != nil {
+		sources = h.sources()
+	}
 	body := fmt.Sprintf(`state_dir = %q
 resync_interval = "200ms"
 log_level = "debug"
 
-[sources.main]
-type = "etcd"
-endpoints = [%q]
-dial_timeout = "1s"
-
-%s`, h.path("state"), h.endpoint, mounts)
+%s
+%s`, h.path("state"), sources, mounts)
 	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
 		h.t.Fatal(err)
 	}
@@ -122,7 +139,7 @@ func (h *harness) mount(name, prefix string, extra ...string) string {
 func (h *harness) options() Options {
 	return Options{
 		ConfigPath: h.config,
-		Registry:   source.NewRegistry(etcd.Kind()),
+		Registry:   source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind()),
 		LogOutput:  h.logs,
 	}
 }
@@ -219,16 +236,35 @@ func content(dir string) (map[string]string, string) {
 func (h *harness) waitContent(dir string, want map[string]string) string {
 	h.t.Helper()
 	deadline := time.Now().Add(waitTimeout)
+	seen := ""
 	for {
-		got, version := content(dir)
-		if fmt.Sprint(got) == fmt.Sprint(want) && got != nil {
-			return version
+		// A version directory never changes once ..data names it: read
+		// the files again only after a switch.
+		if version, _ := os.Readlink(filepath.Join(dir, projector.DataDirName)); version != seen || version == "" {
+			got, version := content(dir)
+			if got != nil && maps.Equal(got, want) {
+				return version
+			}
+			seen = version
+			if time.Now().After(deadline) {
+				h.t.Fatalf("mount %s holds %s; want %s", dir, summary(got), summary(want))
+			}
 		}
 		if time.Now().After(deadline) {
-			h.t.Fatalf("mount %s holds %v; want %v", dir, got, want)
+			got, _ := content(dir)
+			h.t.Fatalf("mount %s holds %s; want %s", dir, summary(got), summary(want))
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
+}
+
+// summary renders a mount's content for a failure message, shortened when
+// it is large.
+func summary(m map[string]string) string {
+	if len(m) > 20 {
+		return fmt.Sprintf("%d files", len(m))
+	}
+	return fmt.Sprint(m)
 }
 
 // waitLog waits until a log line contains every one of parts.

@@ -1,5 +1,5 @@
 // Command kvmount keeps directories in sync with key-value data held in
-// etcd: run is the daemon, once projects every mount a single time, check
+// etcd, in Consul or behind an HTTP URL: run is the daemon, once projects every mount a single time, check
 // validates a configuration file, version prints the version.
 package main
 
@@ -21,7 +21,9 @@ import (
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/etcd"
+	httpsource "github.com/kvmount/kvmount/source/http"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -43,7 +45,7 @@ func main() {
 
 // registry is the table of source kinds kvmount is built with.
 func registry() *source.Registry {
-	return source.NewRegistry(etcd.Kind())
+	return source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind())
 }
 
 const usage = `usage: kvmount <command> [-config FILE]

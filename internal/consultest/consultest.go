@@ -1,0 +1,226 @@
+// Package consultest runs a real Consul agent (consul agent -dev) on
+// loopback ports for tests, and writes keys to it in transactions.
+package consultest
+
+import (
+	"bytes"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+)
+
+// startTimeout bounds how long an agent may take to elect itself leader.
+const startTimeout = 60 * time.Second
+
+// Delete, as a value to Txn, deletes the key.
+const Delete = "<delete>"
+
+// Binary returns the consul binary tests run: $KVMOUNT_CONSUL, else consul
+// on $PATH, else the build that scripts/consul-agent.sh caches. When there
+// is none the test is skipped — or fails when CI=true, where a missing
+// agent must never pass unnoticed.
+func Binary(tb testing.TB) string {
+	tb.Helper()
+	if bin := os.Getenv("KVMOUNT_CONSUL"); bin != "" {
+		return bin
+	}
+	if bin, err := exec.LookPath("consul"); err == nil {
+		return bin
+	}
+	cache := os.Getenv("XDG_CACHE_HOME")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache")
+	}
+	bin := filepath.Join(cache, "kvmount", "consul-v1.20.1", "consul")
+	if _, err := os.Stat(bin); err == nil {
+		return bin
+	}
+	if os.Getenv("CI") == "true" {
+		tb.Fatal("no Consul agent: run scripts/consul-agent.sh (make test does) or set KVMOUNT_CONSUL")
+	}
+	tb.Skip("no Consul agent: run scripts/consul-agent.sh or set KVMOUNT_CONSUL")
+	return ""
+}
+
+// Agent is one consul agent -dev process with fixed ports, so that it can
+// be stopped and started again at the same address. A -dev agent keeps its
+// data in memory: a restart starts empty, with indexes reset.
+type Agent struct {
+	bin   string
+	ports [4]int // http, server, serf lan, serf wan
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{}
+	logs logBuffer
+}
+
+// logBuffer collects an agent's output; it is safe for concurrent use.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// Start starts an agent and waits until it is leader; it is stopped when
+// the test ends, and its logs are shown if the test failed.
+func Start(tb testing.TB) *Agent {
+	tb.Helper()
+	a := &Agent{bin: Binary(tb)}
+	for i := range a.ports {
+		port, err := freePort()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		a.ports[i] = port
+	}
+	if err := a.Restart(); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() {
+		a.Stop()
+		if tb.Failed() {
+			tb.Logf("consul agent logs:\n%s", a.Logs())
+		}
+	})
+	return a
+}
+
+// Addr returns the HTTP API's "host:port".
+func (a *Agent) Addr() string { return "127.0.0.1:" + strconv.Itoa(a.ports[0]) }
+
+// URL returns the HTTP API's URL.
+func (a *Agent) URL() string { return "http://" + a.Addr() }
+
+// Logs returns what the agent printed.
+func (a *Agent) Logs() string { return a.logs.String() }
+
+// Restart starts the agent after Stop (or for the first time) and waits
+// until it has elected itself leader.
+func (a *Agent) Restart() error {
+	cmd := exec.Command(a.bin, "agent", "-dev",
+		"-bind", "127.0.0.1", "-client", "127.0.0.1",
+		"-http-port", strconv.Itoa(a.ports[0]),
+		"-server-port", strconv.Itoa(a.ports[1]),
+		"-serf-lan-port", strconv.Itoa(a.ports[2]),
+		"-serf-wan-port", strconv.Itoa(a.ports[3]),
+		"-dns-port", "-1", "-grpc-port", "-1", "-grpc-tls-port", "-1",
+		"-log-level", "warn",
+	)
+	cmd.Stdout, cmd.Stderr = &a.logs, &a.logs
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("consultest: %w", err)
+	}
+	done := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(done)
+	}()
+	a.mu.Lock()
+	a.cmd, a.done = cmd, done
+	a.mu.Unlock()
+	client := a.Client()
+	deadline := time.Now().Add(startTimeout)
+	for {
+		leader, err := client.Status().Leader()
+		if err == nil && leader != "" {
+			// Leader elected; wait for KV writes to be accepted too.
+			if _, err := client.KV().Put(&api.KVPair{Key: "kvmount-test/ready", Value: []byte("1")}, nil); err == nil {
+				_, _ = client.KV().Delete("kvmount-test/ready", nil)
+				return nil
+			}
+		}
+		select {
+		case <-done:
+			return fmt.Errorf("consultest: agent exited:\n%s", a.Logs())
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			a.Stop()
+			return fmt.Errorf("consultest: no leader after %v:\n%s", startTimeout, a.Logs())
+		}
+	}
+}
+
+// Stop kills the agent and waits for it to exit.
+func (a *Agent) Stop() {
+	a.mu.Lock()
+	cmd, done := a.cmd, a.done
+	a.cmd = nil
+	a.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	_ = cmd.Process.Kill()
+	<-done
+}
+
+// Client returns an API client of the agent.
+func (a *Agent) Client() *api.Client {
+	c, err := api.NewClient(&api.Config{Address: a.Addr(), Scheme: "http"})
+	if err != nil {
+		panic(err) // only for a malformed address, which Addr never makes
+	}
+	return c
+}
+
+// maxTxnOps is how many operations Consul accepts in one transaction.
+const maxTxnOps = 64
+
+// Txn writes key/value pairs in transactions of up to 64 operations each —
+// one transaction when there are few; a value of Delete deletes its key.
+// Keys go in the request body, so names such as "a/../b" stay as they are.
+func Txn(tb testing.TB, client *api.Client, kv ...string) {
+	tb.Helper()
+	var ops api.KVTxnOps
+	flush := func() {
+		if len(ops) == 0 {
+			return
+		}
+		ok, resp, _, err := client.KV().Txn(ops, nil)
+		if err != nil || !ok {
+			tb.Fatalf("consul txn: ok=%v err=%v errors=%v", ok, err, resp)
+		}
+		ops = nil
+	}
+	for i := 0; i+1 < len(kv); i += 2 {
+		op := &api.KVTxnOp{Verb: api.KVSet, Key: kv[i], Value: []byte(kv[i+1])}
+		if kv[i+1] == Delete {
+			op = &api.KVTxnOp{Verb: api.KVDelete, Key: kv[i]}
+		}
+		ops = append(ops, op)
+		if len(ops) == maxTxnOps {
+			flush()
+		}
+	}
+	flush()
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("consultest: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}

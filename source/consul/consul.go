@@ -1,0 +1,262 @@
+// Package consul is the Consul KV source kind. In watch mode it follows a
+// prefix with one blocking query (GET /v1/kv/PREFIX?recurse&index=N),
+// however many keys the prefix holds, and applies Consul's rules for
+// blocking queries (api-docs/features/blocking): the index is reset when it
+// goes backwards, never sent below 1, a return without change is no change,
+// and such returns are rate-limited with a token bucket so a misbehaving
+// server cannot make kvmount spin. In poll mode it reads the prefix every
+// poll_interval.
+package consul
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/hashicorp/consul/api"
+	"golang.org/x/time/rate"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/source"
+)
+
+// Defaults of a [sources.NAME] table of type "consul".
+const (
+	DefaultAddress      = "http://127.0.0.1:8500"
+	DefaultWait         = 5 * time.Minute
+	DefaultPollInterval = 30 * time.Second
+	// MaxWait is the longest wait Consul accepts for a blocking query.
+	MaxWait = 10 * time.Minute
+)
+
+// Change detection strategies and consistency modes.
+const (
+	Watch = "watch"
+	Poll  = "poll"
+
+	ConsistencyDefault    = "default"
+	ConsistencyStale      = "stale"
+	ConsistencyConsistent = "consistent"
+)
+
+// Rate limit of blocking queries that return without a change: a burst of
+// idleBurst, then one per idleEvery. Consul's documentation suggests
+// degrading to about one call per 15 s when results keep returning
+// unchanged.
+const (
+	idleEvery = 15 * time.Second
+	idleBurst = 5
+)
+
+// Config is a decoded [sources.NAME] table of type "consul".
+type Config struct {
+	// Address is the agent's URL with scheme: http:// or https://.
+	Address string
+	// Token is the ACL token, read from token_file.
+	Token config.Secret
+	// Datacenter to query; empty for the agent's own.
+	Datacenter string
+	// Consistency is ConsistencyDefault (the leader answers),
+	// ConsistencyStale (any server answers) or ConsistencyConsistent (the
+	// leader confirms its leadership first).
+	Consistency string
+	// Wait is the blocking query's wait; Consul adds up to Wait/16 of
+	// jitter.
+	Wait time.Duration
+	// TLS configures https:// addresses.
+	TLS config.TLS
+	// ChangeDetection is Watch or Poll.
+	ChangeDetection string
+	// PollInterval is the period of Poll.
+	PollInterval time.Duration
+}
+
+// Kind returns the Consul source kind for the registry.
+func Kind() source.Kind {
+	return source.Kind{Name: "consul", Decode: Decode, Open: open}
+}
+
+// Decode reads a [sources.NAME] table of type "consul", reporting problems
+// through sec. It returns a *Config.
+func Decode(sec *config.Section) any {
+	c := &Config{
+		Address:         sec.String("address", DefaultAddress),
+		Token:           sec.SecretFile("token_file"),
+		Datacenter:      sec.String("datacenter", ""),
+		Consistency:     sec.Choice("consistency", ConsistencyDefault, ConsistencyDefault, ConsistencyStale, ConsistencyConsistent),
+		Wait:            sec.Duration("wait", DefaultWait),
+		TLS:             sec.TLS("tls"),
+		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
+		PollInterval:    sec.Duration("poll_interval", DefaultPollInterval),
+	}
+	u, err := url.Parse(c.Address)
+	switch {
+	case err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "":
+		sec.Errorf("address", "%q: want a URL with scheme http or https, such as %q", c.Address, DefaultAddress)
+	case u.Path != "" && u.Path != "/":
+		sec.Errorf("address", "%q: want no path", c.Address)
+	}
+	if c.Wait > MaxWait {
+		sec.Errorf("wait", "%v is longer than Consul's maximum of %v", c.Wait, MaxWait)
+	}
+	return c
+}
+
+func open(name string, settings any, log *slog.Logger) (source.Source, error) {
+	c, ok := settings.(*Config)
+	if !ok {
+		return nil, fmt.Errorf("source/consul: settings are %T, not *consul.Config", settings)
+	}
+	return New(name, c, log)
+}
+
+// Source follows prefixes of one Consul agent.
+type Source struct {
+	name      string
+	cfg       *Config
+	log       *slog.Logger
+	client    *api.Client
+	transport *http.Transport
+}
+
+var _ source.Source = (*Source)(nil)
+
+// New returns a Source for cfg. It does not connect; Follow does.
+func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
+	u, err := url.Parse(cfg.Address)
+	if err != nil {
+		return nil, fmt.Errorf("source/consul: %w", err)
+	}
+	tlsConfig := api.TLSConfig{
+		Address:  cfg.TLS.ServerName,
+		CAFile:   cfg.TLS.CAFile,
+		CertFile: cfg.TLS.CertFile,
+		KeyFile:  cfg.TLS.KeyFile,
+	}
+	transport := api.DefaultConfig().Transport
+	// kvmount's own TLS settings, not the CONSUL_* environment's.
+	httpClient, err := api.NewHttpClient(transport, tlsConfig)
+	if err != nil {
+		return nil, fmt.Errorf("source/consul: tls: %w", err)
+	}
+	client, err := api.NewClient(&api.Config{
+		Address:    u.Host,
+		Scheme:     u.Scheme,
+		Datacenter: cfg.Datacenter,
+		Transport:  transport,
+		HttpClient: httpClient,
+		TLSConfig:  tlsConfig,
+		Token:      cfg.Token.Reveal(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("source/consul: %w", err)
+	}
+	return &Source{name: name, cfg: cfg, log: log, client: client, transport: transport}, nil
+}
+
+// Close releases idle connections.
+func (s *Source) Close() error {
+	s.transport.CloseIdleConnections()
+	return nil
+}
+
+// Follow reads prefix and follows it until ctx is done; see source.Source
+// and the package documentation. A failed query resets the index, so that
+// the next read after an agent restart (which may reset every index) is a
+// fresh, non-blocking one.
+func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
+	log := s.log.With("prefix", prefix)
+	bo := source.NewBackoff()
+	idle := rate.NewLimiter(rate.Every(idleEvery), idleBurst)
+	var last map[string][]byte
+	var index uint64
+	for {
+		if s.cfg.ChangeDetection == Poll {
+			index = 0
+		}
+		pairs, meta, err := s.list(ctx, prefix, index)
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		if err != nil {
+			log.Warn("source unavailable, keeping last content", "err", err)
+			pub.Status(err)
+			index = 0
+			if !source.Sleep(ctx, bo.NextBackOff()) {
+				return ctx.Err()
+			}
+			continue
+		}
+		bo.Reset()
+		entries := make(map[string][]byte, len(pairs))
+		for _, p := range pairs {
+			entries[strings.TrimPrefix(p.Key, prefix)] = p.Value
+		}
+		changed := last == nil || !maps.EqualFunc(entries, last, bytes.Equal)
+		if changed {
+			last = entries
+			pub.Publish(source.Snapshot{Revision: strconv.FormatUint(meta.LastIndex, 10), Missing: pairs == nil, Entries: entries})
+		} else {
+			pub.Status(nil)
+		}
+		if s.cfg.ChangeDetection == Poll {
+			if !source.Sleep(ctx, source.Jitter(s.cfg.PollInterval)) {
+				return ctx.Err()
+			}
+			continue
+		}
+		index = nextIndex(index, meta.LastIndex)
+		if !changed {
+			if err := idle.Wait(ctx); err != nil {
+				return ctx.Err()
+			}
+		}
+	}
+}
+
+// nextIndex returns the index for the next blocking query after one that
+// used index and returned got, by Consul's rules: reset to 0 (a fresh,
+// non-blocking read) when the index went backwards, as after a snapshot
+// restore or an agent restart; never below 1 otherwise, since index 0 does
+// not block.
+func nextIndex(index, got uint64) uint64 {
+	switch {
+	case got < index:
+		return 0
+	case got < 1:
+		return 1
+	}
+	return got
+}
+
+// list reads prefix, blocking while its index is index (0: no blocking). A
+// missing prefix returns nil pairs.
+func (s *Source) list(ctx context.Context, prefix string, index uint64) (api.KVPairs, *api.QueryMeta, error) {
+	// The server answers by Wait plus up to Wait/16 of jitter; past that,
+	// the connection is taken for lost.
+	timeout := s.cfg.Wait + s.cfg.Wait/16 + 10*time.Second
+	qctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	q := &api.QueryOptions{
+		WaitIndex:         index,
+		WaitTime:          s.cfg.Wait,
+		AllowStale:        s.cfg.Consistency == ConsistencyStale,
+		RequireConsistent: s.cfg.Consistency == ConsistencyConsistent,
+	}
+	pairs, meta, err := s.client.KV().List(prefix, q.WithContext(qctx))
+	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			err = fmt.Errorf("no answer within %v", timeout)
+		}
+		return nil, nil, fmt.Errorf("source/consul: list %s: %w", prefix, err)
+	}
+	return pairs, meta, nil
+}

@@ -1,0 +1,290 @@
+package consul
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/internal/consultest"
+	"github.com/kvmount/kvmount/source"
+)
+
+const waitTimeout = 30 * time.Second
+
+var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// recorder is a source.Publisher that keeps the last snapshot and status.
+type recorder struct {
+	mu      sync.Mutex
+	snaps   []source.Snapshot
+	err     error
+	changed chan struct{}
+}
+
+func (r *recorder) Publish(s source.Snapshot) {
+	r.mu.Lock()
+	r.snaps = append(r.snaps, s)
+	r.err = nil
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *recorder) Status(err error) {
+	r.mu.Lock()
+	r.err = err
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *recorder) wake() {
+	select {
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (r *recorder) waitFor(t *testing.T, what string, cond func(last *source.Snapshot, err error) bool) {
+	t.Helper()
+	deadline := time.After(waitTimeout)
+	for {
+		r.mu.Lock()
+		var last *source.Snapshot
+		if len(r.snaps) > 0 {
+			last = &r.snaps[len(r.snaps)-1]
+		}
+		ok := cond(last, r.err)
+		r.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-r.changed:
+		case <-deadline:
+			t.Fatalf("timed out waiting for %s; last %v, status %v", what, last, r.err)
+		}
+	}
+}
+
+func holds(want map[string]string) func(*source.Snapshot, error) bool {
+	return func(last *source.Snapshot, _ error) bool {
+		if last == nil || len(last.Entries) != len(want) {
+			return false
+		}
+		for k, v := range want {
+			if string(last.Entries[k]) != v {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+func follow(t *testing.T, cfg *Config, prefix string) *recorder {
+	t.Helper()
+	src, err := New("main", cfg, discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &recorder{changed: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Follow(ctx, prefix, rec) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if err != context.Canceled {
+				t.Errorf("Follow returned %v; want context.Canceled", err)
+			}
+		case <-time.After(waitTimeout):
+			t.Errorf("Follow did not return after cancel")
+		}
+		src.Close()
+	})
+	return rec
+}
+
+func watchConfig(addr string) *Config {
+	return &Config{Address: "http://" + addr, Consistency: ConsistencyDefault, Wait: DefaultWait, ChangeDetection: Watch, PollInterval: DefaultPollInterval}
+}
+
+func TestFollow(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	consultest.Txn(t, client, "app/a", "1", "app/dir/b", "2", "other/x", "no")
+	rec := follow(t, watchConfig(agent.Addr()), "app/")
+	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "1", "dir/b": "2"}))
+	consultest.Txn(t, client, "app/a", "one", "app/c", "3")
+	rec.waitFor(t, "update", holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
+	consultest.Txn(t, client, "app/dir/b", consultest.Delete)
+	rec.waitFor(t, "delete", holds(map[string]string{"a": "one", "c": "3"}))
+	consultest.Txn(t, client, "app/a", consultest.Delete, "app/c", consultest.Delete)
+	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing && len(last.Entries) == 0 })
+}
+
+// TestTransactionIsOneSnapshot checks that the keys of one Consul
+// transaction are never split across snapshots.
+func TestTransactionIsOneSnapshot(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	consultest.Txn(t, client, "tx/a", "0", "tx/b", "0")
+	rec := follow(t, watchConfig(agent.Addr()), "tx/")
+	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "0", "b": "0"}))
+	for i := 1; i <= 100; i++ {
+		consultest.Txn(t, client, "tx/a", fmt.Sprint(i), "tx/b", fmt.Sprint(i))
+	}
+	rec.waitFor(t, "last transaction", holds(map[string]string{"a": "100", "b": "100"}))
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, s := range rec.snaps {
+		if string(s.Entries["a"]) != string(s.Entries["b"]) {
+			t.Fatalf("snapshot at index %s mixes transactions: %q %q", s.Revision, s.Entries["a"], s.Entries["b"])
+		}
+	}
+}
+
+// TestAgentRestartResetsIndex restarts a -dev agent, which comes back
+// empty with small indexes: writes made after the restart must be found
+// at once, not after the blocking query's wait.
+func TestAgentRestartResetsIndex(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	// Push the index well above what the new agent will start from.
+	for i := range 30 {
+		consultest.Txn(t, client, "r/a", fmt.Sprint(i))
+	}
+	rec := follow(t, watchConfig(agent.Addr()), "r/")
+	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "29"}))
+	agent.Stop()
+	rec.waitFor(t, "stale status", func(_ *source.Snapshot, err error) bool { return err != nil })
+	if err := agent.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	consultest.Txn(t, client, "r/a", "after restart")
+	rec.waitFor(t, "write after restart", holds(map[string]string{"a": "after restart"}))
+}
+
+func TestPoll(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	consultest.Txn(t, client, "p/a", "1")
+	cfg := watchConfig(agent.Addr())
+	cfg.ChangeDetection, cfg.PollInterval = Poll, 50*time.Millisecond
+	rec := follow(t, cfg, "p/")
+	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "1"}))
+	consultest.Txn(t, client, "p/a", "2")
+	rec.waitFor(t, "polled change", holds(map[string]string{"a": "2"}))
+}
+
+// TestMisbehavingServerCannotMakeItSpin serves blocking queries that return
+// at once without a change, forever: the token bucket must hold kvmount to
+// a few queries. (A fake beside the real-agent tests: no real agent
+// misbehaves on request.)
+func TestMisbehavingServerCannotMakeItSpin(t *testing.T) {
+	var queries atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		queries.Add(1)
+		w.Header().Set("X-Consul-Index", "7")
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":7}]`)
+	}))
+	defer srv.Close()
+	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "m/")
+	rec.waitFor(t, "snapshot", holds(map[string]string{"a": "1"}))
+	time.Sleep(time.Second) // the span over which queries are counted
+	if n := queries.Load(); n > idleBurst+2 {
+		t.Errorf("%d queries in about a second; the rate limit allows %d", n, idleBurst+2)
+	}
+}
+
+func TestNextIndex(t *testing.T) {
+	tests := []struct{ index, got, want uint64 }{
+		{0, 0, 1},    // never block on 0
+		{0, 42, 42},  // first read
+		{42, 42, 42}, // no change: block again
+		{42, 50, 50}, // change
+		{42, 7, 0},   // went backwards: fresh read
+		{42, 0, 0},   // went to zero: fresh read
+	}
+	for _, tt := range tests {
+		if got := nextIndex(tt.index, tt.got); got != tt.want {
+			t.Errorf("nextIndex(%d, %d) = %d; want %d", tt.index, tt.got, got, tt.want)
+		}
+	}
+}
+
+func TestDecode(t *testing.T) {
+	dir := t.TempDir()
+	kinds := map[string]config.SourceDecoder{"consul": Decode}
+	tests := []struct {
+		name    string
+		toml    string
+		want    string
+		wantErr string
+	}{
+		{name: "defaults", toml: `type = "consul"`, want: "http://127.0.0.1:8500 default 5m0s watch 30s"},
+		{name: "all", toml: "type = \"consul\"\naddress = \"https://consul.internal:8501\"\ndatacenter = \"dc2\"\nconsistency = \"stale\"\nwait = \"1m\"\nchange_detection = \"poll\"\npoll_interval = \"10s\"",
+			want: "https://consul.internal:8501 stale 1m0s poll 10s"},
+		{name: "no scheme", toml: "type = \"consul\"\naddress = \"127.0.0.1:8500\"", wantErr: `c.toml:3: sources.main.address: "127.0.0.1:8500": want a URL with scheme http or https`},
+		{name: "wait too long", toml: "type = \"consul\"\nwait = \"11m\"", wantErr: `wait: 11m0s is longer than Consul's maximum of 10m0s`},
+		{name: "bad consistency", toml: "type = \"consul\"\nconsistency = \"eventual\"", wantErr: `consistency: "eventual" is not one of default, stale, consistent`},
+		{name: "missing token file", toml: "type = \"consul\"\ntoken_file = \"" + dir + "/nope\"", wantErr: `token_file: open ` + dir + `/nope`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := config.Parse("c.toml", []byte("[sources.main]\n"+tt.toml+"\n"), kinds)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error = %v; want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := cfg.Sources["main"].Settings.(*Config)
+			if got := fmt.Sprintf("%s %s %v %s %v", c.Address, c.Consistency, c.Wait, c.ChangeDetection, c.PollInterval); got != tt.want {
+				t.Errorf("got %s; want %s", got, tt.want)
+			}
+		})
+	}
+}
+
+func TestTokenIsSentAndNeverPrinted(t *testing.T) {
+	var got atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store(r.Header.Get("X-Consul-Token"))
+		w.Header().Set("X-Consul-Index", "3")
+		w.WriteHeader(http.StatusNotFound)
+	}))
+	defer srv.Close()
+	tokenFile := t.TempDir() + "/token"
+	if err := writeFile(tokenFile, "s3cr3t-token\n"); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Parse("c.toml", []byte("[sources.main]\ntype = \"consul\"\naddress = \""+srv.URL+"\"\ntoken_file = \""+tokenFile+"\"\n"), map[string]config.SourceDecoder{"consul": Decode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cfg.Sources["main"].Settings.(*Config)
+	if s := fmt.Sprintf("%v %+v %#v", c, c, c); strings.Contains(s, "s3cr3t") {
+		t.Errorf("the token is printed: %s", s)
+	}
+	rec := follow(t, c, "x/")
+	rec.waitFor(t, "missing prefix", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing })
+	if got.Load() != "s3cr3t-token" {
+		t.Errorf("X-Consul-Token = %q; want the token from the file", got.Load())
+	}
+}
+
+func writeFile(name, data string) error { return os.WriteFile(name, []byte(data), 0o600) }

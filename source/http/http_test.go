@@ -1,0 +1,435 @@
+package http
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/source"
+)
+
+const waitTimeout = 30 * time.Second
+
+var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// server is an httptest server holding one document, with ETag and
+// Last-Modified support, and a switchable failure.
+type server struct {
+	*httptest.Server
+	mu           sync.Mutex
+	body         string
+	etag         string
+	lastModified time.Time
+	useETag      bool
+	fail         func(w http.ResponseWriter) bool // answers instead when it returns true
+	requests     atomic.Int64
+	notModified  atomic.Int64
+	headers      http.Header
+}
+
+func newServer(t *testing.T, body string) *server {
+	s := &server{useETag: true}
+	s.setBody(body)
+	s.Server = httptest.NewServer(http.HandlerFunc(s.serve))
+	t.Cleanup(s.Close)
+	return s
+}
+
+func (s *server) setBody(body string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.body = body
+	s.etag = fmt.Sprintf(`"v%d"`, len(body)*7919+int(time.Now().UnixNano()%1000))
+	s.lastModified = time.Now().Add(time.Second).Truncate(time.Second)
+}
+
+func (s *server) serve(w http.ResponseWriter, r *http.Request) {
+	s.requests.Add(1)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.headers = r.Header.Clone()
+	if s.fail != nil && s.fail(w) {
+		return
+	}
+	if s.useETag {
+		w.Header().Set("ETag", s.etag)
+		if r.Header.Get("If-None-Match") == s.etag {
+			s.notModified.Add(1)
+			w.WriteHeader(http.StatusNotModified)
+			return
+		}
+	} else {
+		w.Header().Set("Last-Modified", s.lastModified.UTC().Format(http.TimeFormat))
+		if since, err := http.ParseTime(r.Header.Get("If-Modified-Since")); err == nil && !s.lastModified.After(since) {
+			s.notModified.Add(1)
+			w.WriteHeader(http.StatusNotModified)
+			return
+		}
+	}
+	io.WriteString(w, s.body)
+}
+
+type recorder struct {
+	mu      sync.Mutex
+	snaps   []source.Snapshot
+	err     error
+	changed chan struct{}
+}
+
+func (r *recorder) Publish(s source.Snapshot) {
+	r.mu.Lock()
+	r.snaps = append(r.snaps, s)
+	r.err = nil
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *recorder) Status(err error) {
+	r.mu.Lock()
+	r.err = err
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *recorder) wake() {
+	select {
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+func (r *recorder) waitFor(t *testing.T, what string, cond func(last *source.Snapshot, err error) bool) {
+	t.Helper()
+	deadline := time.After(waitTimeout)
+	for {
+		r.mu.Lock()
+		var last *source.Snapshot
+		if len(r.snaps) > 0 {
+			last = &r.snaps[len(r.snaps)-1]
+		}
+		ok := cond(last, r.err)
+		r.mu.Unlock()
+		if ok {
+			return
+		}
+		select {
+		case <-r.changed:
+		case <-deadline:
+			t.Fatalf("timed out waiting for %s; last %v, status %v", what, last, r.err)
+		}
+	}
+}
+
+func holds(want map[string]string) func(*source.Snapshot, error) bool {
+	return func(last *source.Snapshot, _ error) bool {
+		if last == nil || len(last.Entries) != len(want) {
+			return false
+		}
+		for k, v := range want {
+			if string(last.Entries[k]) != v {
+				return false
+			}
+		}
+		return true
+	}
+}
+
+func failing(last *source.Snapshot, err error) bool { return err != nil }
+
+func newSource(t *testing.T, cfg *Config) *Source {
+	t.Helper()
+	if cfg.Format == "" {
+		cfg.Format = FormatJSON
+	}
+	if cfg.PollInterval == 0 {
+		cfg.PollInterval = 20 * time.Millisecond
+	}
+	if cfg.Timeout == 0 {
+		cfg.Timeout = 5 * time.Second
+	}
+	if cfg.MaxBodySize == 0 {
+		cfg.MaxBodySize = DefaultMaxBodySize
+	}
+	src, err := New("web", cfg, discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	return src
+}
+
+func follow(t *testing.T, src *Source, prefix string) *recorder {
+	t.Helper()
+	rec := &recorder{changed: make(chan struct{}, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Follow(ctx, prefix, rec) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case <-done:
+		case <-time.After(waitTimeout):
+			t.Errorf("Follow did not return after cancel")
+		}
+	})
+	return rec
+}
+
+func TestFollowJSON(t *testing.T) {
+	srv := newServer(t, `{"app": {"a": "1", "dir": {"b": "2"}}, "other": "x"}`)
+	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "app/")
+	rec.waitFor(t, "initial", holds(map[string]string{"a": "1", "dir/b": "2"}))
+	srv.setBody(`{"app": {"a": "one", "dir": {"b": "2"}, "c": "3"}}`)
+	rec.waitFor(t, "update", holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
+	srv.setBody(`{"app": {"c": "3"}}`)
+	rec.waitFor(t, "delete", holds(map[string]string{"c": "3"}))
+	srv.setBody(`{"other": "x"}`)
+	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing })
+}
+
+// TestConditionalRequests checks that unchanged content is answered with
+// 304 (by ETag, or by Last-Modified when there is none) and publishes
+// nothing.
+func TestConditionalRequests(t *testing.T) {
+	for _, useETag := range []bool{true, false} {
+		t.Run(fmt.Sprintf("etag=%v", useETag), func(t *testing.T) {
+			srv := newServer(t, `{"a": "1"}`)
+			srv.useETag = useETag
+			rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
+			rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+			deadline := time.Now().Add(waitTimeout)
+			for srv.notModified.Load() < 5 {
+				if time.Now().After(deadline) {
+					t.Fatalf("only %d of %d requests were answered 304", srv.notModified.Load(), srv.requests.Load())
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			if len(rec.snaps) != 1 || rec.err != nil {
+				t.Errorf("%d snapshots, status %v; want 1 and healthy", len(rec.snaps), rec.err)
+			}
+		})
+	}
+}
+
+// TestFailuresKeepContent makes the server fail in several ways: the last
+// content stays and the failure is reported, then recovery is seen.
+func TestFailuresKeepContent(t *testing.T) {
+	tests := []struct {
+		name string
+		fail func(w http.ResponseWriter) bool
+		body string // served instead of a failure, when set
+		want string // in the reported error
+	}{
+		{name: "500", fail: func(w http.ResponseWriter) bool { w.WriteHeader(500); return true }, want: "500 Internal Server Error"},
+		{name: "503 without Retry-After", fail: func(w http.ResponseWriter) bool { w.WriteHeader(503); return true }, want: "503"},
+		{name: "not JSON", body: `{"a": `, want: "not JSON"},
+		{name: "number value", body: `{"a": "1", "n": {"port": 8080}}`, want: `key "n/port": value is a JSON number`},
+		{name: "array", body: `["a"]`, want: "body is a JSON array"},
+		{name: "too large", body: `{"a": "` + strings.Repeat("x", 2048) + `"}`, want: "larger than max_body_size"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, `{"a": "1"}`)
+			src := newSource(t, &Config{URL: srv.URL, MaxBodySize: 1024})
+			rec := follow(t, src, "")
+			rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+			if tt.fail != nil {
+				srv.mu.Lock()
+				srv.fail = tt.fail
+				srv.mu.Unlock()
+			} else {
+				srv.setBody(tt.body)
+			}
+			rec.waitFor(t, "failure", failing)
+			rec.mu.Lock()
+			err, last := rec.err, rec.snaps[len(rec.snaps)-1]
+			rec.mu.Unlock()
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("error %v; want %q", err, tt.want)
+			}
+			if string(last.Entries["a"]) != "1" {
+				t.Errorf("content changed on failure: %v", last.Entries)
+			}
+			srv.mu.Lock()
+			srv.fail = nil
+			srv.mu.Unlock()
+			srv.setBody(`{"a": "2"}`)
+			rec.waitFor(t, "recovery", holds(map[string]string{"a": "2"}))
+		})
+	}
+}
+
+func TestRetryAfterIsHonoured(t *testing.T) {
+	srv := newServer(t, `{"a": "1"}`)
+	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
+	rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+	srv.mu.Lock()
+	srv.fail = func(w http.ResponseWriter) bool {
+		w.Header().Set("Retry-After", "2")
+		w.WriteHeader(http.StatusTooManyRequests)
+		return true
+	}
+	srv.mu.Unlock()
+	rec.waitFor(t, "429", failing)
+	before := srv.requests.Load()
+	time.Sleep(time.Second) // within the two seconds asked for
+	if n := srv.requests.Load() - before; n != 0 {
+		t.Errorf("%d requests during Retry-After", n)
+	}
+	srv.mu.Lock()
+	srv.fail = nil
+	srv.mu.Unlock()
+	rec.waitFor(t, "recovery", func(_ *source.Snapshot, err error) bool { return err == nil })
+}
+
+func TestRetryAfter(t *testing.T) {
+	now := time.Date(2026, 11, 22, 1, 0, 0, 0, time.UTC)
+	tests := []struct {
+		value string
+		want  time.Duration
+		ok    bool
+	}{
+		{"120", 2 * time.Minute, true},
+		{"0", time.Second, true},
+		{"99999", MaxRetryAfter, true},
+		{now.Add(90 * time.Second).Format(http.TimeFormat), 90 * time.Second, true},
+		{now.Add(-time.Hour).Format(http.TimeFormat), time.Second, true},
+		{now.Add(24 * time.Hour).Format(http.TimeFormat), MaxRetryAfter, true},
+		{"", 0, false},
+		{"-5", 0, false},
+		{"soon", 0, false},
+	}
+	for _, tt := range tests {
+		got, ok := retryAfter(tt.value, now)
+		if got != tt.want || ok != tt.ok {
+			t.Errorf("retryAfter(%q) = %v, %v; want %v, %v", tt.value, got, ok, tt.want, tt.ok)
+		}
+	}
+}
+
+func TestFlatten(t *testing.T) {
+	got, err := Flatten([]byte(`{"a": "1", "b": {"c": "2", "d": {"e": ""}}, "f/g": "3"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"a": "1", "b/c": "2", "b/d/e": "", "f/g": "3"}
+	if len(got) != len(want) {
+		t.Fatalf("Flatten = %v; want %v", got, want)
+	}
+	for k, v := range want {
+		if string(got[k]) != v {
+			t.Errorf("%s = %q; want %q", k, got[k], v)
+		}
+	}
+	for body, wantErr := range map[string]string{
+		`{"a": true}`:                   `key "a": value is a JSON boolean`,
+		`{"a": {"b": null}}`:            `key "a/b": value is a JSON null`,
+		`{"a": [1]}`:                    `key "a": value is a JSON array`,
+		`{"a/b": "1", "a": {"b": "2"}}`: `key "a/b" appears twice`,
+		`"s"`:                           `body is a JSON string`,
+		`{} {}`:                         `more than one JSON value`,
+	} {
+		if _, err := Flatten([]byte(body)); err == nil || !strings.Contains(err.Error(), wantErr) {
+			t.Errorf("Flatten(%s) = %v; want %q", body, err, wantErr)
+		}
+	}
+}
+
+func TestRawFormat(t *testing.T) {
+	srv := newServer(t, "\x00\x01binary\xff")
+	rec := follow(t, newSource(t, &Config{URL: srv.URL, Format: FormatRaw, Key: "blob.bin"}), "")
+	rec.waitFor(t, "raw body", holds(map[string]string{"blob.bin": "\x00\x01binary\xff"}))
+}
+
+func TestNotFoundIsMissing(t *testing.T) {
+	srv := newServer(t, `{}`)
+	srv.fail = func(w http.ResponseWriter) bool { w.WriteHeader(http.StatusNotFound); return true }
+	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
+	rec.waitFor(t, "missing", func(last *source.Snapshot, err error) bool { return last != nil && last.Missing && err == nil })
+}
+
+// TestOnePollerForEveryPrefix follows two prefixes of one source: the server
+// must see one request per poll, not one per prefix.
+func TestOnePollerForEveryPrefix(t *testing.T) {
+	srv := newServer(t, `{"a": {"x": "1"}, "b": {"y": "2"}}`)
+	src := newSource(t, &Config{URL: srv.URL, PollInterval: 200 * time.Millisecond})
+	a, b := follow(t, src, "a/"), follow(t, src, "b/")
+	a.waitFor(t, "a", holds(map[string]string{"x": "1"}))
+	b.waitFor(t, "b", holds(map[string]string{"y": "2"}))
+	start := srv.requests.Load()
+	time.Sleep(time.Second)
+	// About five polls in a second at 200 ms ±10 %; two pollers would make ten.
+	if n := srv.requests.Load() - start; n > 7 {
+		t.Errorf("%d requests in a second for two prefixes; want one poller (about 5)", n)
+	}
+}
+
+func TestHeadersAreSent(t *testing.T) {
+	srv := newServer(t, `{"a": "1"}`)
+	tokenFile := t.TempDir() + "/token"
+	if err := os.WriteFile(tokenFile, []byte("Bearer s3cr3t\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	toml := fmt.Sprintf("[sources.web]\ntype = \"http\"\nurl = %q\nheaders = { X-Env = \"prod\" }\nheader_files = { Authorization = %q }\n", srv.URL, tokenFile)
+	cfg, err := config.Parse("h.toml", []byte(toml), map[string]config.SourceDecoder{"http": Decode})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := cfg.Sources["web"].Settings.(*Config)
+	if s := fmt.Sprintf("%v %+v", c, c); strings.Contains(s, "s3cr3t") {
+		t.Errorf("the header value is printed: %s", s)
+	}
+	rec := follow(t, newSource(t, c), "")
+	rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+	srv.mu.Lock()
+	defer srv.mu.Unlock()
+	if srv.headers.Get("Authorization") != "Bearer s3cr3t" || srv.headers.Get("X-Env") != "prod" {
+		t.Errorf("headers %v; want Authorization from the file and X-Env", srv.headers)
+	}
+}
+
+func TestDecode(t *testing.T) {
+	kinds := map[string]config.SourceDecoder{"http": Decode}
+	tests := []struct {
+		name    string
+		toml    string
+		wantErr string
+	}{
+		{name: "minimal", toml: "url = \"https://config.example.com/app.json\""},
+		{name: "raw", toml: "url = \"http://x/blob\"\nformat = \"raw\"\nkey = \"blob\"\nmax_body_size = \"1MiB\"\ntimeout = \"2s\""},
+		{name: "no url", toml: "format = \"json\"", wantErr: "h.toml:1: sources.web: url is missing"},
+		{name: "bad url", toml: "url = \"ftp://x\"", wantErr: `sources.web.url: "ftp://x": want an http:// or https:// URL`},
+		{name: "raw without key", toml: "url = \"http://x\"\nformat = \"raw\"", wantErr: `key: format "raw" needs key`},
+		{name: "key with json", toml: "url = \"http://x\"\nkey = \"k\"", wantErr: `key: applies to format "raw" only`},
+		{name: "watch", toml: "url = \"http://x\"\nchange_detection = \"watch\"", wantErr: `"watch": an http source can only poll`},
+		{name: "bad size", toml: "url = \"http://x\"\nmax_body_size = \"big\"", wantErr: `max_body_size: bad size "big"`},
+		{name: "missing header file", toml: "url = \"http://x\"\nheader_files = { Authorization = \"/nonexistent/token\" }", wantErr: `header_files.Authorization: open /nonexistent/token`},
+		{name: "unknown key", toml: "url = \"http://x\"\npoll = \"1s\"", wantErr: `sources.web.poll: unknown key`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := config.Parse("h.toml", []byte("[sources.web]\ntype = \"http\"\n"+tt.toml+"\n"), kinds)
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("error = %v; want %q", err, tt.wantErr)
+			}
+		})
+	}
+}
