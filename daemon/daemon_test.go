@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -14,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/projector"
@@ -397,5 +400,73 @@ func TestOwnersAndModes(t *testing.T) {
 		if st := info.Sys().(*syscall.Stat_t); st.Uid != 1234 || st.Gid != 5678 {
 			t.Errorf("%s owned by %d:%d; want 1234:5678", path, st.Uid, st.Gid)
 		}
+	}
+}
+
+// TestConsulAgentRestartWithDataGone restarts a -dev Consul agent, which
+// comes back empty with its indexes reset: the mount keeps its content
+// while the prefix is missing, and writes made after the restart reach the
+// files.
+func TestConsulAgentRestartWithDataGone(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	for i := range 20 {
+		consultest.Txn(t, client, "cr/a", fmt.Sprint(i)) // raise the index
+	}
+	h := newBareHarness(t)
+	h.sources = func() string { return fmt.Sprintf("[sources.main]\ntype = \"consul\"\naddress = %q\n", agent.URL()) }
+	h.writeConfig(h.mount("cr", "cr/"))
+	h.start()
+	dir := h.path("mnt", "cr")
+	h.waitContent(dir, map[string]string{"a": "19"})
+	agent.Stop()
+	h.waitLog("mount stale", "mount=cr")
+	if err := agent.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	h.waitLog("cannot build mount payload", "mount=cr", "does not exist")
+	if got, _ := content(dir); got["a"] != "19" {
+		t.Fatalf("mount lost its content when the agent came back empty: %v", got)
+	}
+	consultest.Txn(t, client, "cr/a", "after restart", "cr/b", "new")
+	h.waitContent(dir, map[string]string{"a": "after restart", "b": "new"})
+}
+
+// TestReloadRereadsSecretFiles changes a header file and reloads: the new
+// value is sent, and never logged.
+func TestReloadRereadsSecretFiles(t *testing.T) {
+	var seen atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		seen.Store(r.Header.Get("Authorization"))
+		fmt.Fprint(w, `{"a": "1"}`)
+	}))
+	defer srv.Close()
+	h := newBareHarness(t)
+	tokenFile := h.path("token")
+	if err := os.WriteFile(tokenFile, []byte("Bearer first-s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.sources = func() string {
+		return fmt.Sprintf("[sources.main]\ntype = \"http\"\nurl = %q\npoll_interval = \"50ms\"\nheader_files = { Authorization = %q }\n", srv.URL, tokenFile)
+	}
+	h.writeConfig(h.mount("m", ""))
+	h.start()
+	h.waitContent(h.path("mnt", "m"), map[string]string{"a": "1"})
+	if seen.Load() != "Bearer first-s3cret" {
+		t.Fatalf("Authorization = %q", seen.Load())
+	}
+	if err := os.WriteFile(tokenFile, []byte("Bearer second-s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.sighup()
+	deadline := time.Now().Add(waitTimeout)
+	for seen.Load() != "Bearer second-s3cret" {
+		if time.Now().After(deadline) {
+			t.Fatalf("after reload Authorization = %q", seen.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if strings.Contains(h.logs.String(), "s3cret") {
+		t.Errorf("a secret reached the logs")
 	}
 }

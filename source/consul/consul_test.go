@@ -129,7 +129,9 @@ func TestFollow(t *testing.T) {
 	consultest.Txn(t, client, "app/dir/b", consultest.Delete)
 	rec.waitFor(t, "delete", holds(map[string]string{"a": "one", "c": "3"}))
 	consultest.Txn(t, client, "app/a", consultest.Delete, "app/c", consultest.Delete)
-	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing && len(last.Entries) == 0 })
+	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool {
+		return last != nil && last.Missing && len(last.Entries) == 0
+	})
 }
 
 // TestTransactionIsOneSnapshot checks that the keys of one Consul

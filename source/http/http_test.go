@@ -2,6 +2,7 @@ package http
 
 import (
 	"context"
+	"encoding/pem"
 	"fmt"
 	"io"
 	"log/slog"
@@ -432,4 +433,24 @@ func TestDecode(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestTLS fetches from an https:// server whose certificate is trusted only
+// through ca_file.
+func TestTLS(t *testing.T) {
+	srv := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, `{"a": "over tls"}`)
+	}))
+	defer srv.Close()
+	caFile := t.TempDir() + "/ca.pem"
+	pemBytes := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: srv.Certificate().Raw})
+	if err := os.WriteFile(caFile, pemBytes, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	untrusted := follow(t, newSource(t, &Config{URL: srv.URL}), "")
+	untrusted.waitFor(t, "certificate error", func(_ *source.Snapshot, err error) bool {
+		return err != nil && strings.Contains(err.Error(), "certificate")
+	})
+	trusted := follow(t, newSource(t, &Config{URL: srv.URL, TLS: config.TLS{CAFile: caFile, ServerName: "example.com"}}), "")
+	trusted.waitFor(t, "content over TLS", holds(map[string]string{"a": "over tls"}))
 }
