@@ -30,6 +30,16 @@ const (
 	DefaultResyncInterval = 2 * time.Minute
 	// DefaultMode is the kubelet's default file mode for ConfigMap volumes.
 	DefaultMode fs.FileMode = 0o644
+	// DefaultDirMode is the mode of a mount's directories (the kubelet's
+	// version directories are 0755).
+	DefaultDirMode fs.FileMode = 0o755
+	// DefaultSizeLimit is a tmpfs mount's size, 16 MiB.
+	DefaultSizeLimit = 16 << 20
+	// DefaultMaxValueSize is the largest value projected, 1 MiB: the
+	// limit of a Kubernetes ConfigMap or Secret.
+	DefaultMaxValueSize = 1 << 20
+	// DefaultCheckTimeout bounds a mount's check_command.
+	DefaultCheckTimeout = 30 * time.Second
 )
 
 // Medium names.
@@ -75,10 +85,14 @@ type Mount struct {
 	Dir string
 	// Medium is MediumDisk or MediumTmpfs.
 	Medium string
-	// SizeLimit is the tmpfs size in bytes; 0 when not set.
+	// SizeLimit is the tmpfs size in bytes (medium tmpfs only).
 	SizeLimit int64
 	// DefaultMode is the permission of files without an item mode.
 	DefaultMode fs.FileMode
+	// DirMode is the permission of the mount's directories: the mount
+	// directory kvmount creates (or the tmpfs root), the version
+	// directories and the directories inside them.
+	DirMode fs.FileMode
 	// UID and GID own the mount's files and directories; -1 means
 	// kvmount's own user or group.
 	UID, GID int
@@ -87,6 +101,24 @@ type Mount struct {
 	// Projections contribute keys; the single-projection shorthand
 	// (source, prefix, items) becomes one.
 	Projections []Projection
+	// Immutable mounts are projected once and then no longer followed
+	// (the kubelet's immutable ConfigMaps); a reload or restart reads them
+	// again.
+	Immutable bool
+	// AllowEmpty lets an empty snapshot replace a non-empty mount.
+	AllowEmpty bool
+	// MinKeys holds back any payload with fewer files.
+	MinKeys int
+	// CheckCommand, when set, runs against each new version directory
+	// before the switch ({{dir}} in an argument is replaced by its path);
+	// a failure keeps the old version.
+	CheckCommand []string
+	// CheckTimeout bounds CheckCommand.
+	CheckTimeout time.Duration
+	// MaxValueSize is the largest value projected, in bytes.
+	MaxValueSize int64
+	// MaxMountSize is the largest payload, in bytes; 0 for no limit.
+	MaxMountSize int64
 }
 
 // Projection is one source and prefix of a mount.
@@ -213,15 +245,26 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	m.Dir = filepath.Clean(m.Dir)
 	m.Medium = sec.Choice("medium", MediumDisk, MediumDisk, MediumTmpfs)
 	if m.Medium == MediumTmpfs {
-		sec.Errorf("medium", "medium \"tmpfs\" is not supported yet; use \"disk\"")
-	}
-	if sec.Has("size_limit") {
-		m.SizeLimit = sec.Size("size_limit", 0)
-		if m.Medium != MediumTmpfs {
-			sec.Errorf("size_limit", "applies to medium \"tmpfs\" only")
-		}
+		m.SizeLimit = sec.Size("size_limit", DefaultSizeLimit)
+	} else if sec.Has("size_limit") {
+		sec.Size("size_limit", 0)
+		sec.Errorf("size_limit", "applies to medium \"tmpfs\" only")
 	}
 	m.DefaultMode = sec.Mode("default_mode", DefaultMode)
+	m.DirMode = sec.Mode("dir_mode", DefaultDirMode)
+	m.Immutable = sec.Bool("immutable", false)
+	m.AllowEmpty = sec.Bool("allow_empty", false)
+	m.MinKeys = int(sec.Int("min_keys", 0, 0, 1<<31-1))
+	m.CheckCommand = sec.Strings("check_command")
+	if sec.Has("check_command") && (len(m.CheckCommand) == 0 || m.CheckCommand[0] == "") {
+		sec.Errorf("check_command", "needs a program, such as [\"nginx\", \"-t\", \"-c\", \"{{dir}}/nginx.conf\"]")
+	}
+	m.CheckTimeout = sec.Duration("check_timeout", DefaultCheckTimeout)
+	if sec.Has("check_timeout") && !sec.Has("check_command") {
+		sec.Errorf("check_timeout", "applies with check_command only")
+	}
+	m.MaxValueSize = sec.Size("max_value_size", DefaultMaxValueSize)
+	m.MaxMountSize = sec.Size("max_mount_size", 0)
 	m.UID = lookupID(sec, "user", lookupUser)
 	m.GID = lookupID(sec, "group", lookupGroup)
 	m.Optional = sec.Bool("optional", false)

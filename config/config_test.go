@@ -214,7 +214,9 @@ source = "s"
   source = "s"
 `, want: []string{`k.toml:8: mount[0].projections: a mount uses either source/prefix/items or [[mount.projections]], not both`}},
 		{name: "no source at all", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\n", want: []string{`k.toml:3: mount[0]: source is missing`}},
-		{name: "tmpfs not yet", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nmedium = \"tmpfs\"\n", want: []string{`k.toml:7: mount[0].medium: medium "tmpfs" is not supported yet`}},
+		{name: "guard rails", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nmin_keys = -1\ncheck_command = []\ncheck_timeout = \"1s\"\nmax_value_size = 0\n",
+			want: []string{`k.toml:7: mount[0].min_keys: -1 is outside`, `k.toml:8: mount[0].check_command: needs a program`, `k.toml:10: mount[0].max_value_size: size 0 must be positive`}},
+		{name: "check_timeout alone", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\ncheck_timeout = \"1s\"\n", want: []string{`k.toml:7: mount[0].check_timeout: applies with check_command only`}},
 		{name: "bad medium", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nmedium = \"ramdisk\"\n", want: []string{`k.toml:7: mount[0].medium: "ramdisk" is not one of disk, tmpfs`}},
 		{name: "bad name", toml: head + "[[mount]]\nname = \"App Config\"\ndir = \"/srv/a\"\nsource = \"s\"\n", want: []string{`k.toml:4: mount[0].name: "App Config" must match`}},
 		{name: "bad item path", toml: head + `

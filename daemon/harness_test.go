@@ -85,9 +85,11 @@ type harness struct {
 // newHarness returns a harness with its own etcd.
 func newHarness(t *testing.T) *harness {
 	t.Helper()
+	// Started first, so that it stops last: after the daemon, whose open
+	// watch would otherwise hold etcd's shutdown for its request timeout.
+	srv, cli := etcdtest.Start(t)
 	h := newBareHarness(t)
-	h.etcd, h.cli = etcdtest.Start(t)
-	h.endpoint = h.etcd.Endpoint()
+	h.etcd, h.cli, h.endpoint = srv, cli, srv.Endpoint()
 	return h
 }
 

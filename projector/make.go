@@ -38,12 +38,16 @@ type Item struct {
 	Optional bool
 }
 
-// Defaults are the mount-wide file settings.
-type Defaults struct {
+// Options are a mount's file settings and limits.
+type Options struct {
 	// Mode is the permission of files without an item mode (kubelet: 0644).
 	Mode fs.FileMode
 	// UID and GID own every file.
 	UID, GID int
+	// MaxValueSize is the largest value accepted, in bytes; 0 for no limit.
+	MaxValueSize int64
+	// MaxSize is the largest payload accepted, in bytes; 0 for no limit.
+	MaxSize int64
 }
 
 // KeyError reports a key that cannot be projected, such as one whose path
@@ -70,9 +74,11 @@ func (e *KeyError) Unwrap() error { return e.Err }
 //
 // A key whose path is invalid (CleanPath) or collides with another key's
 // file or directory is skipped and reported as a *KeyError. The returned
-// error is for what fails the whole mount: a missing prefix or item key that
-// is not optional, or two projections producing the same path.
-func MakePayload(mount string, projections []Projection, defaults Defaults) (Payload, []*KeyError, error) {
+// error is for what fails the whole mount, so that its last content stays:
+// a missing prefix or item key that is not optional, two projections
+// producing the same path, a value over opts.MaxValueSize or a payload over
+// opts.MaxSize.
+func MakePayload(mount string, projections []Projection, opts Options) (Payload, []*KeyError, error) {
 	payload := Payload{}
 	owner := map[string]string{} // path → source and key that produced it
 	dirs := map[string]bool{}    // directories that payload's paths need
@@ -97,10 +103,13 @@ func MakePayload(mount string, projections []Projection, defaults Defaults) (Pay
 				return fmt.Errorf("mount %q: path %q comes from both %s and source %q key %q", mount, clean, by, pr.Source, pr.Prefix+key)
 			}
 			owner[clean] = fmt.Sprintf("source %q key %q", pr.Source, pr.Prefix+key)
-			if mode == 0 {
-				mode = defaults.Mode
+			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
+				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds max_value_size (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), opts.MaxValueSize)
 			}
-			payload[clean] = File{Data: value, Mode: mode.Perm(), UID: defaults.UID, GID: defaults.GID}
+			if mode == 0 {
+				mode = opts.Mode
+			}
+			payload[clean] = File{Data: value, Mode: mode.Perm(), UID: opts.UID, GID: opts.GID}
 			for dir := path.Dir(clean); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
 				dirs[dir] = true
 			}
@@ -135,7 +144,23 @@ func MakePayload(mount string, projections []Projection, defaults Defaults) (Pay
 			}
 		}
 	}
+	if opts.MaxSize > 0 {
+		if size := payload.Size(); size > opts.MaxSize {
+			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes exceeds max_mount_size (%d bytes); the largest file is %q", mount, size, opts.MaxSize, largest(payload))
+		}
+	}
 	return payload, rejected, nil
+}
+
+// largest returns the path of payload's largest file.
+func largest(payload Payload) string {
+	best, size := "", -1
+	for _, p := range payload.Paths() {
+		if n := len(payload[p].Data); n > size {
+			best, size = p, n
+		}
+	}
+	return best
 }
 
 // placeable reports whether clean can join payload, whose directories are

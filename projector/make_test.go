@@ -8,7 +8,7 @@ import (
 )
 
 func TestMakePayload(t *testing.T) {
-	defaults := Defaults{Mode: 0o644, UID: 7, GID: 8}
+	defaults := Options{Mode: 0o644, UID: 7, GID: 8}
 	f := func(data string, mode uint32) File {
 		return File{Data: []byte(data), Mode: fs.FileMode(mode), UID: 7, GID: 8}
 	}
@@ -19,7 +19,27 @@ func TestMakePayload(t *testing.T) {
 		want         Payload
 		wantRejected []string // keys
 		wantErr      string
+		maxValue     int64
+		maxSize      int64
 	}{
+		{
+			name:        "value within max_value_size",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1234")}}},
+			maxValue:    4,
+			want:        Payload{"a": f("1234", 0o644)},
+		},
+		{
+			name:        "value over max_value_size",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "big": []byte("12345")}}},
+			maxValue:    4,
+			wantErr:     `mount "m": source "s" key "/p/big": value of 5 bytes exceeds max_value_size (4 bytes)`,
+		},
+		{
+			name:        "payload over max_mount_size",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("123"), "b": []byte("12345")}}},
+			maxSize:     7,
+			wantErr:     `mount "m": payload of 8 bytes exceeds max_mount_size (7 bytes); the largest file is "b"`,
+		},
 		{
 			name:        "every key, markers skipped",
 			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: entries}},
@@ -91,7 +111,9 @@ func TestMakePayload(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, rejected, err := MakePayload("m", tt.projections, defaults)
+			opts := defaults
+			opts.MaxValueSize, opts.MaxSize = tt.maxValue, tt.maxSize
+			got, rejected, err := MakePayload("m", tt.projections, opts)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Fatalf("MakePayload error = %v; want %q", err, tt.wantErr)

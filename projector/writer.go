@@ -9,6 +9,7 @@ import (
 	"math/big"
 	"os"
 	"path"
+	"path/filepath"
 	"slices"
 	"strings"
 	"syscall"
@@ -36,6 +37,9 @@ var (
 	// ErrDrift means the mount directory no longer matches what was written:
 	// something changed it by hand.
 	ErrDrift = errors.New("mount directory differs from the projected version")
+	// ErrCheckFailed wraps the error of a Check that refused a new
+	// version; the current version stays.
+	ErrCheckFailed = errors.New("check of the new version failed")
 )
 
 // WriterOptions configure an AtomicWriter.
@@ -50,6 +54,11 @@ type WriterOptions struct {
 	// DirUID and DirGID own version directories, inner directories and the
 	// visible symlinks; -1 leaves them to kvmount's own user or group.
 	DirUID, DirGID int
+	// Check, when set, is called with the absolute path of each new
+	// version directory, complete and synced, before the switch. An error
+	// keeps the current version: Write removes the new one and returns the
+	// error wrapped with ErrCheckFailed.
+	Check func(versionDir string) error
 }
 
 // AtomicWriter writes payloads into one mount directory so that readers move
@@ -119,6 +128,18 @@ func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
 
 // Dir returns the mount directory.
 func (w *AtomicWriter) Dir() string { return w.dir }
+
+// SetCheck replaces WriterOptions.Check for the following writes.
+func (w *AtomicWriter) SetCheck(check func(versionDir string) error) { w.opts.Check = check }
+
+// Files returns how many files the current version holds: 0 when the
+// mount is empty or its content is unknown.
+func (w *AtomicWriter) Files() int {
+	if w.current == nil {
+		return 0
+	}
+	return len(w.current.payload)
+}
 
 // Version returns the name of the current version directory, or "" when none
 // is known.
@@ -219,6 +240,12 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	name, err := w.buildVersion(payload, oldDirs)
 	if err != nil {
 		return Change{}, err
+	}
+	if w.opts.Check != nil {
+		if err := w.opts.Check(filepath.Join(w.dir, name)); err != nil {
+			_ = w.root.RemoveAll(name)
+			return Change{}, fmt.Errorf("atomic writer: %w: %w", ErrCheckFailed, err)
+		}
 	}
 	if err := w.switchTo(name); err != nil {
 		_ = w.root.RemoveAll(name)

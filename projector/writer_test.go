@@ -549,3 +549,42 @@ func FuzzWrite(f *testing.F) {
 		}
 	})
 }
+
+// TestCheckRefusesAVersion runs a check against each new version: a
+// refusal keeps the current version and leaves nothing behind.
+func TestCheckRefusesAVersion(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	var checked []string
+	w.SetCheck(func(versionDir string) error {
+		checked = append(checked, versionDir)
+		data, err := os.ReadFile(filepath.Join(versionDir, "app.conf"))
+		if err != nil {
+			return err
+		}
+		if strings.Contains(string(data), "broken") {
+			return errors.New("syntax error in app.conf")
+		}
+		return nil
+	})
+	good := Payload{"app.conf": file("good", 0o644)}
+	if _, err := w.Write(good); err != nil {
+		t.Fatal(err)
+	}
+	version := w.Version()
+	_, err := w.Write(Payload{"app.conf": file("broken", 0o644)})
+	if !errors.Is(err, ErrCheckFailed) || !strings.Contains(err.Error(), "syntax error in app.conf") {
+		t.Fatalf("Write = %v; want ErrCheckFailed with the check's error", err)
+	}
+	if w.Version() != version {
+		t.Errorf("version %s; want %s kept", w.Version(), version)
+	}
+	checkMount(t, dir, good)
+	if len(checked) != 2 || filepath.Dir(checked[1]) != dir || !isVersionName(filepath.Base(checked[1])) {
+		t.Errorf("checked %v; want two version directories of %s", checked, dir)
+	}
+	if _, err := w.Write(Payload{"app.conf": file("fixed", 0o644)}); err != nil {
+		t.Fatal(err)
+	}
+	checkMount(t, dir, Payload{"app.conf": file("fixed", 0o644)})
+}

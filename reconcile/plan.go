@@ -64,7 +64,9 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     content;
 //   - a mount is not set up while another mount still holds its directory,
 //     or one inside or around it (two mounts that swapped directories wait
-//     for each other's teardown).
+//     for each other's teardown);
+//   - a payload that guard rails held back is not tried again; the next
+//     generation is.
 func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
 	names := make([]string, 0, len(dsw)+len(asw.Mounts))
 	for name := range dsw {
@@ -82,6 +84,12 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 		}
 		op, ok := planMount(name, dsw[name], asw.Mounts[name])
 		if !ok || op.Kind == Setup && dirTaken(name, dsw[name].Spec.Dir, asw) {
+			continue
+		}
+		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == dsw[name].Generation {
+			if a := asw.Mounts[name]; a != nil && a.VerifyDue {
+				ops = append(ops, Op{Kind: Verify, Mount: name})
+			}
 			continue
 		}
 		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {

@@ -30,6 +30,7 @@ func TestPlan(t *testing.T) {
 		dsw       DesiredState
 		mounts    map[string]*ActualMount
 		failures  map[string]*Failure
+		heldBack  map[string]*HeldBack
 		inFlight  map[string]bool
 		want      string
 		wantRetry time.Time
@@ -73,6 +74,14 @@ func TestPlan(t *testing.T) {
 			mounts: map[string]*ActualMount{"b": actual("/y", 2)}, want: "[teardown b]"},
 		{name: "a dir inside another mount's waits", dsw: DesiredState{"a": ready("/x/inner", 1)},
 			mounts: map[string]*ActualMount{"old": actual("/x", 1)}, want: "[teardown old]"},
+		{name: "held-back payload is not tried again", dsw: DesiredState{"a": ready("/a", 4)},
+			mounts: map[string]*ActualMount{"a": actual("/a", 3)}, heldBack: map[string]*HeldBack{"a": {Generation: 4}}, want: "[]"},
+		{name: "held back, first setup", dsw: DesiredState{"a": ready("/a", 1)}, heldBack: map[string]*HeldBack{"a": {Generation: 1}}, want: "[]"},
+		{name: "held back, but verify still runs", dsw: DesiredState{"a": ready("/a", 4)},
+			mounts:   map[string]*ActualMount{"a": {Dir: "/a", Medium: "disk", Generation: 3, VerifyDue: true}},
+			heldBack: map[string]*HeldBack{"a": {Generation: 4}}, want: "[verify a]"},
+		{name: "next generation after a hold-back is tried", dsw: DesiredState{"a": ready("/a", 5)},
+			mounts: map[string]*ActualMount{"a": actual("/a", 3)}, heldBack: map[string]*HeldBack{"a": {Generation: 4}}, want: "[remount a]"},
 		{name: "sorted by name", dsw: DesiredState{"c": ready("/c", 1), "a": ready("/a", 1)}, mounts: map[string]*ActualMount{"b": actual("/b", 1)},
 			want: "[setup a teardown b setup c]"},
 	}
@@ -84,6 +93,9 @@ func TestPlan(t *testing.T) {
 			}
 			for k, v := range tt.failures {
 				asw.Failures[k] = v
+			}
+			for k, v := range tt.heldBack {
+				asw.HeldBack[k] = v
 			}
 			for k, v := range tt.inFlight {
 				asw.InFlight[k] = v

@@ -42,6 +42,9 @@ type populated struct {
 	reported string
 	// stale is whether the mount was last logged as stale.
 	stale bool
+	// frozen is set once an immutable mount has its payload: its feeds
+	// are released and its desired state no longer changes.
+	frozen bool
 }
 
 // NewPopulator returns a populator with no mounts, reading feeds from cache.
@@ -109,6 +112,9 @@ func (p *Populator) Populate() DesiredState {
 }
 
 func (p *Populator) populate(pm *populated) {
+	if pm.frozen {
+		return
+	}
 	states := make([]source.FeedState, len(pm.feeds))
 	changed, rebuild := pm.desired == nil, pm.desired == nil
 	for i, f := range pm.feeds {
@@ -161,8 +167,9 @@ func (p *Populator) populate(pm *populated) {
 	default:
 		p.generation++
 		d.Generation = p.generation
-		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Defaults{
+		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
 			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
+			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize,
 		})
 		if err != nil {
 			d.Err = err
@@ -173,6 +180,21 @@ func (p *Populator) populate(pm *populated) {
 	}
 	p.reportState(pm, d)
 	pm.desired = d
+	if m.Immutable && d.Ready() {
+		p.freeze(pm)
+	}
+}
+
+// freeze stops following an immutable mount's sources once its payload is
+// built (the kubelet stops watching immutable ConfigMaps and Secrets).
+func (p *Populator) freeze(pm *populated) {
+	for _, f := range pm.feeds {
+		p.cache.Release(f)
+	}
+	pm.feeds, pm.snapshots, pm.versions = nil, nil, nil
+	pm.frozen, pm.stale = true, false
+	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision}
+	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
 }
 
 // reportRejected logs each rejected key once, while it stays rejected.

@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
@@ -8,7 +9,10 @@ import (
 	"io/fs"
 	"log/slog"
 	"os"
+	"os/exec"
 	"slices"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvmount/kvmount/config"
@@ -85,8 +89,11 @@ type runtime struct {
 }
 
 type result struct {
-	op         Op
-	spec       *config.Mount
+	op   Op
+	spec *config.Mount
+	// opened reports that the mount's directory is prepared and adopted
+	// (its writer open), whatever became of the write.
+	opened     bool
 	generation uint64
 	revision   string
 	version    string
@@ -217,12 +224,13 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 		res.spec, res.generation, res.revision = d.Spec, d.Generation, d.Revision
 		res.change, res.err = r.project(op.Mount, d.Spec, rt, d.Payload)
 	case Teardown:
-		res.err = r.teardown(op.Mount, a.Dir, rt)
+		res.err = r.teardown(op.Mount, a, rt)
 	case Verify:
 		res.drift, res.err = r.verify(op.Mount, rt)
 	}
 	if rt.writer != nil {
 		res.version = rt.writer.Version()
+		res.opened = op.Kind == Setup || op.Kind == Remount
 	}
 	res.duration = time.Since(start)
 	return res
@@ -231,17 +239,30 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 // project writes payload into the mount, opening (and adopting) its
 // directory first if needed.
 func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, payload projector.Payload) (projector.Change, error) {
-	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID) {
-		// The writer carries the directories' owner: open it anew.
+	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID || rt.spec.DirMode != spec.DirMode || rt.spec.SizeLimit != spec.SizeLimit) {
+		// The writer and the tmpfs carry the directories' owner and mode
+		// and the size: open them anew.
 		rt.writer.Close()
 		rt.writer = nil
+	}
+	if spec.Medium == config.MediumTmpfs {
+		if need := tmpfsBytes(payload); need > spec.SizeLimit {
+			return projector.Change{}, fmt.Errorf("mount %q: the payload needs %d bytes of tmpfs (files round up to %d-byte pages), more than size_limit (%d bytes)", name, need, pageSize, spec.SizeLimit)
+		}
 	}
 	if rt.writer == nil {
 		if err := r.open(name, spec, rt); err != nil {
 			return projector.Change{}, err
 		}
 	}
+	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
+		return projector.Change{}, err
+	}
+	rt.writer.SetCheck(checkCommand(spec))
 	change, err := rt.writer.Write(payload)
+	if errors.Is(err, syscall.ENOSPC) {
+		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
+	}
 	if err != nil {
 		return change, fmt.Errorf("mount %q: %w", name, err)
 	}
@@ -249,11 +270,103 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	return change, nil
 }
 
-// open prepares the mount directory, records the mount as owned and adopts
-// what the directory holds. A directory that does not exist is recorded
-// before it is created, so that a crash in between leaves nothing unowned.
+// pageSize is the unit in which tmpfs allocates file data.
+var pageSize = int64(os.Getpagesize())
+
+// tmpfsBytes is the memory payload's files take on a tmpfs: each file's
+// size rounded up to whole pages.
+func tmpfsBytes(payload projector.Payload) int64 {
+	var n int64
+	for _, f := range payload {
+		n += (int64(len(f.Data)) + pageSize - 1) / pageSize * pageSize
+	}
+	return n
+}
+
+// HeldBackError is a payload the mount's guard rails keep from replacing
+// its content: fewer files than min_keys, or an empty payload over a
+// non-empty mount without allow_empty. It is no failure: the mount waits
+// for the next payload, reported stale.
+type HeldBackError struct {
+	Mount  string
+	Reason string
+}
+
+func (e *HeldBackError) Error() string {
+	return fmt.Sprintf("mount %q: update held back: %s", e.Mount, e.Reason)
+}
+
+// holdBack returns a *HeldBackError when spec's guard rails refuse payload
+// over a mount that holds files files.
+func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
+	switch {
+	case len(payload) < spec.MinKeys:
+		return &HeldBackError{Mount: spec.Name, Reason: fmt.Sprintf("the payload has %d files, fewer than min_keys (%d)", len(payload), spec.MinKeys)}
+	case len(payload) == 0 && files > 0 && !spec.AllowEmpty:
+		return &HeldBackError{Mount: spec.Name, Reason: fmt.Sprintf("an empty payload would replace %d files; set allow_empty = true to allow it", files)}
+	}
+	return nil
+}
+
+// checkOutputLimit is how much of a check command's output is kept for the
+// log, in bytes.
+const checkOutputLimit = 4 << 10
+
+// checkCommand returns the Check that runs spec's check_command against a
+// new version directory ({{dir}} in an argument is its path; it also is the
+// working directory), or nil without one. The command fails the check by
+// exiting non-zero or by outliving check_timeout; its output, cut to 4 KiB,
+// goes into the error.
+func checkCommand(spec *config.Mount) func(string) error {
+	if len(spec.CheckCommand) == 0 {
+		return nil
+	}
+	return func(dir string) error {
+		args := make([]string, len(spec.CheckCommand))
+		for i, a := range spec.CheckCommand {
+			args[i] = strings.ReplaceAll(a, "{{dir}}", dir)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), spec.CheckTimeout)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, args[0], args[1:]...)
+		cmd.Dir = dir
+		var out limitedBuffer
+		out.limit = checkOutputLimit
+		cmd.Stdout, cmd.Stderr = &out, &out
+		cmd.WaitDelay = time.Second
+		err := cmd.Run()
+		if ctx.Err() != nil {
+			err = fmt.Errorf("timed out after %v", spec.CheckTimeout)
+		}
+		if err != nil {
+			return fmt.Errorf("check_command %s: %w; output: %q", args[0], err, strings.TrimSpace(out.String()))
+		}
+		return nil
+	}
+}
+
+// limitedBuffer keeps the first limit bytes written to it.
+type limitedBuffer struct {
+	bytes.Buffer
+	limit int
+}
+
+func (b *limitedBuffer) Write(p []byte) (int, error) {
+	if room := b.limit - b.Len(); room > 0 {
+		b.Buffer.Write(p[:min(len(p), room)])
+	}
+	return len(p), nil
+}
+
+// open prepares the mount directory — creating it, mounting its tmpfs —
+// records the mount as owned and adopts what the directory holds. A
+// directory or tmpfs kvmount is about to create is recorded first, so that a
+// crash in between leaves nothing unowned.
 func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	rec := Record{Dir: spec.Dir, Medium: spec.Medium}
+	if old, ok := r.owned.Get(name); ok && old.Dir == spec.Dir {
+		rec.CreatedDir = old.CreatedDir
+	}
 	exists, err := fsutil.DirExists(spec.Dir)
 	switch {
 	case err != nil:
@@ -263,18 +376,28 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 		if err := r.owned.Set(name, rec); err != nil {
 			return err
 		}
-		if err := fsutil.MakeDir(spec.Dir, 0o755, spec.UID, spec.GID); err != nil {
+		if err := fsutil.MakeDir(spec.Dir, spec.DirMode, spec.UID, spec.GID); err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
 		}
-	default:
-		if old, ok := r.owned.Get(name); ok && old.Dir == spec.Dir {
-			rec.CreatedDir = old.CreatedDir
+	case rec.CreatedDir && spec.Medium == config.MediumDisk:
+		// A reload may have changed the directory's mode or owner.
+		if err := fsutil.MakeDir(spec.Dir, spec.DirMode, spec.UID, spec.GID); err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+		if err := os.Chmod(spec.Dir, spec.DirMode); err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
+	if spec.Medium == config.MediumTmpfs {
+		if err := r.mountTmpfs(name, spec, rec); err != nil {
+			return err
 		}
 	}
 	w, err := projector.OpenAtomicWriter(spec.Dir, projector.WriterOptions{
-		Sync:   spec.Medium == config.MediumDisk,
-		DirUID: spec.UID,
-		DirGID: spec.GID,
+		Sync:    spec.Medium == config.MediumDisk,
+		DirMode: spec.DirMode,
+		DirUID:  spec.UID,
+		DirGID:  spec.GID,
 	})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
@@ -291,9 +414,40 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	return nil
 }
 
-// teardown removes what kvmount wrote into dir, the directory too if
-// kvmount created it, and forgets the mount.
-func (r *Reconciler) teardown(name, dir string, rt *runtime) error {
+// mountTmpfs mounts the mount's tmpfs, or remounts the one a previous run
+// left (applying a new size, mode or owner, keeping the content). It
+// refuses to hide files: a directory that is not yet a tmpfs must be empty.
+func (r *Reconciler) mountTmpfs(name string, spec *config.Mount, rec Record) error {
+	mounted, err := fsutil.IsTmpfsMount(spec.Dir)
+	if err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	if !mounted {
+		entries, err := os.ReadDir(spec.Dir)
+		if err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+		if len(entries) > 0 {
+			return fmt.Errorf("mount %q: %s holds %s (and %d more): a tmpfs would hide it; empty the directory or choose another", name, spec.Dir, entries[0].Name(), len(entries)-1)
+		}
+		// Recorded before mounting: a crash right after leaves a tmpfs
+		// kvmount knows to unmount.
+		if err := r.owned.Set(name, rec); err != nil {
+			return err
+		}
+	}
+	err = fsutil.MountTmpfs(spec.Dir, fsutil.TmpfsOptions{Size: spec.SizeLimit, Mode: spec.DirMode, UID: spec.UID, GID: spec.GID})
+	if err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	return nil
+}
+
+// teardown removes what kvmount wrote into the mount's directory, unmounts
+// its tmpfs, removes the directory too if kvmount created it, and forgets
+// the mount.
+func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
+	dir := a.Dir
 	rec, known := r.owned.Get(name)
 	if rt.writer == nil {
 		if _, err := os.Lstat(dir); errors.Is(err, fs.ErrNotExist) {
@@ -310,6 +464,11 @@ func (r *Reconciler) teardown(name, dir string, rt *runtime) error {
 	}
 	rt.writer.Close()
 	rt.writer, rt.spec, rt.written = nil, nil, nil
+	if a.Medium == config.MediumTmpfs {
+		if err := fsutil.UnmountTmpfs(dir); err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
 	if known && rec.CreatedDir && rec.Dir == dir {
 		if err := os.Remove(dir); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			r.log.Warn("mount directory kept: it holds files kvmount did not write", "mount", name, "dir", dir, "err", err)
@@ -343,6 +502,17 @@ func (r *Reconciler) apply(res result) {
 	name := res.op.Mount
 	delete(r.asw.InFlight, name)
 	log := r.log.With("mount", name)
+	if res.opened && r.asw.Mounts[name] == nil {
+		// Prepared (directory created, tmpfs mounted) even if the write
+		// did not happen: the mount is kvmount's to tear down.
+		r.asw.Mounts[name] = &ActualMount{Dir: res.spec.Dir, Medium: res.spec.Medium, Version: res.version}
+	}
+	var held *HeldBackError
+	if errors.As(res.err, &held) {
+		r.asw.HeldBack[name] = &HeldBack{Generation: res.generation, Err: res.err}
+		log.Warn("update held back; keeping last content", "revision", res.revision, "reason", held.Reason)
+		return
+	}
 	if res.err != nil {
 		f := r.asw.Failures[name]
 		if f == nil {
@@ -363,6 +533,7 @@ func (r *Reconciler) apply(res result) {
 	delete(r.asw.Failures, name)
 	switch res.op.Kind {
 	case Setup, Remount:
+		delete(r.asw.HeldBack, name)
 		a := r.asw.Mounts[name]
 		if a == nil {
 			a = &ActualMount{}
@@ -401,6 +572,9 @@ func (r *Reconciler) status(dsw DesiredState) []MountStatus {
 		st.Projected = a != nil && d.Ready() && a.Generation == d.Generation && !r.asw.InFlight[name]
 		if f := r.asw.Failures[name]; f != nil && !st.Projected {
 			st.Err = f.Err
+		}
+		if hb := r.asw.HeldBack[name]; hb != nil && hb.Generation == d.Generation {
+			st.Stale = append(slices.Clip(st.Stale), hb.Err)
 		}
 		out = append(out, st)
 	}

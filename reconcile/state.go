@@ -74,19 +74,35 @@ type Failure struct {
 	Err error
 }
 
+// HeldBack is a desired payload that a mount's guard rails (min_keys,
+// allow_empty) kept from replacing its content.
+type HeldBack struct {
+	// Generation is the DSW generation held back; the next one is tried.
+	Generation uint64
+	// Err says why.
+	Err error
+}
+
 // ActualState is the actual state of world.
 type ActualState struct {
 	// Mounts that are projected (or adopted from a previous run), by name.
 	Mounts map[string]*ActualMount
 	// Failures of the last operation, by mount name.
 	Failures map[string]*Failure
+	// HeldBack holds the payloads kept back by guard rails, by mount name.
+	HeldBack map[string]*HeldBack
 	// InFlight holds the mounts with an operation running.
 	InFlight map[string]bool
 }
 
 // NewActualState returns an empty actual state of world.
 func NewActualState() *ActualState {
-	return &ActualState{Mounts: map[string]*ActualMount{}, Failures: map[string]*Failure{}, InFlight: map[string]bool{}}
+	return &ActualState{
+		Mounts:   map[string]*ActualMount{},
+		Failures: map[string]*Failure{},
+		HeldBack: map[string]*HeldBack{},
+		InFlight: map[string]bool{},
+	}
 }
 
 // Backoff limits of failing mounts: the kubelet's exponential backoff for
