@@ -253,4 +253,3 @@ func TestSizeLimits(t *testing.T) {
 	h.put("/sz/a", "fits", "/ms/c", etcdtest.Delete)
 	h.waitContent(h.path("mnt", "sz"), map[string]string{"a": "fits"})
 }
-
