@@ -110,7 +110,7 @@ func consulStore(b *testing.B) benchStore {
 // benchDaemon runs the kvmount binary against store, projecting its prefix
 // into a disk mount after seeding it with keys, and returns the mount
 // directory once it holds them all.
-func benchDaemon(b *testing.B, store benchStore, keys int) (dir string) {
+func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir string) {
 	b.Helper()
 	base := b.TempDir()
 	for i := 0; i < keys; i += 100 {
@@ -121,8 +121,11 @@ func benchDaemon(b *testing.B, store benchStore, keys int) (dir string) {
 		store.seed(kv)
 	}
 	dir = filepath.Join(base, "mnt")
-	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\n",
-		filepath.Join(base, "state"), store.source, dir, store.prefix)
+	if medium == "tmpfs" {
+		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+	}
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n",
+		filepath.Join(base, "state"), store.source, dir, store.prefix, medium)
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
@@ -220,26 +223,32 @@ func report(b *testing.B, name string, d []time.Duration) {
 }
 
 // BenchmarkPutToFile is the latency from a put of one key, in etcd and in
-// Consul, to the new content being visible in a one-key disk mount. Run
-// with -benchtime 1000x or more: percentiles are over b.N sequential
-// updates.
+// Consul, to the new content being visible in a one-key mount on disk or
+// tmpfs. Run with -benchtime 1000x or more: percentiles are over b.N
+// sequential updates.
 func BenchmarkPutToFile(b *testing.B) {
 	for _, s := range []struct {
-		name  string
-		store func(*testing.B) benchStore
-	}{{"etcd", etcdStore}, {"consul", consulStore}} {
+		name   string
+		store  func(*testing.B) benchStore
+		medium string
+	}{{"etcd/disk", etcdStore, "disk"}, {"etcd/tmpfs", etcdStore, "tmpfs"}, {"consul/disk", consulStore, "disk"}, {"consul/tmpfs", consulStore, "tmpfs"}} {
 		b.Run(s.name, func(b *testing.B) {
 			store := s.store(b)
-			dir := benchDaemon(b, store, 1)
+			dir := benchDaemon(b, store, 1, s.medium)
 			measureUpdates(b, store, dir, func(int) string { return "key-00000" })
 		})
 	}
 }
 
 // BenchmarkOneChangeIn1000KeyMount is the latency, through etcd, when the
-// mount holds 1,000 keys and each update changes one of them.
+// mount holds 1,000 keys and each update changes one of them, on disk and
+// on tmpfs.
 func BenchmarkOneChangeIn1000KeyMount(b *testing.B) {
-	store := etcdStore(b)
-	dir := benchDaemon(b, store, 1000)
-	measureUpdates(b, store, dir, func(i int) string { return fmt.Sprintf("key-%05d", (i*7)%1000) })
+	for _, medium := range []string{"disk", "tmpfs"} {
+		b.Run(medium, func(b *testing.B) {
+			store := etcdStore(b)
+			dir := benchDaemon(b, store, 1000, medium)
+			measureUpdates(b, store, dir, func(i int) string { return fmt.Sprintf("key-%05d", (i*7)%1000) })
+		})
+	}
 }

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"bufio"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +14,7 @@ import (
 
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/faultproxy"
 )
 
 // requireRoot skips a test that mounts or changes owners, unless CI=true,
@@ -252,4 +254,47 @@ func TestSizeLimits(t *testing.T) {
 	}
 	h.put("/sz/a", "fits", "/ms/c", etcdtest.Delete)
 	h.waitContent(h.path("mnt", "sz"), map[string]string{"a": "fits"})
+}
+
+// TestProjectedMountWithOneSourceDown projects an etcd prefix and an HTTP
+// document into one directory: both switch together, and while etcd is cut
+// off the mount keeps etcd's part and follows the HTTP one.
+func TestProjectedMountWithOneSourceDown(t *testing.T) {
+	h := newHarness(t)
+	proxy, err := faultproxy.Start(strings.TrimPrefix(h.etcd.Endpoint(), "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer proxy.Close()
+	web := newHTTPBackend(t)
+	web.put(t, "flags/dark-mode", "off")
+	h.put("/p/app.conf", "listen 80")
+	h.sources = func() string {
+		return fmt.Sprintf("[sources.main]\ntype = \"etcd\"\nendpoints = [\"http://%s\"]\ndial_timeout = \"1s\"\n\n", proxy.Addr()) +
+			fmt.Sprintf("[sources.web]\ntype = \"http\"\nurl = \"http://%s/doc.json\"\npoll_interval = \"50ms\"\n", web.upstream())
+	}
+	h.writeConfig(fmt.Sprintf(`[[mount]]
+name = "bundle"
+dir = %q
+  [[mount.projections]]
+  source = "main"
+  prefix = "/p/"
+  [[mount.projections]]
+  source = "web"
+  prefix = "flags/"
+`, h.path("mnt", "bundle")))
+	h.start()
+	dir := h.path("mnt", "bundle")
+	h.waitContent(dir, map[string]string{"app.conf": "listen 80", "dark-mode": "off"})
+
+	proxy.Cut()
+	h.waitLog("mount stale", "mount=bundle")
+	web.put(t, "flags/dark-mode", "on")
+	h.waitContent(dir, map[string]string{"app.conf": "listen 80", "dark-mode": "on"})
+
+	h.put("/p/app.conf", "listen 8080")
+	if err := proxy.Restore(); err != nil {
+		t.Fatal(err)
+	}
+	h.waitContent(dir, map[string]string{"app.conf": "listen 8080", "dark-mode": "on"})
 }

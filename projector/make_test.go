@@ -3,6 +3,7 @@ package projector
 import (
 	"errors"
 	"io/fs"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -141,4 +142,34 @@ func TestMakePayload(t *testing.T) {
 			}
 		})
 	}
+}
+
+// FuzzMakePayload maps fuzzed keys to paths: every path in a payload is
+// clean, local to the mount and not reserved, and every key is either
+// projected or rejected with a reason.
+func FuzzMakePayload(f *testing.F) {
+	for _, seed := range [][3]string{{"a", "b/c", ""}, {"../x", "y", ""}, {"a", "a/b", ""}, {"..data", "./..data_tmp", ""}, {"k", "v", "p/"}, {"/abs", "a//b/", ""}, {"a\x00", "ok", ""}} {
+		f.Add(seed[0], seed[1], seed[2])
+	}
+	f.Fuzz(func(t *testing.T, k1, k2, item string) {
+		pr := Projection{Source: "s", Prefix: "/p/", Entries: map[string][]byte{k1: []byte("1"), k2: []byte("2")}}
+		if item != "" {
+			pr.Items = []Item{{Key: k1, Path: item}, {Key: k2, Path: k2, Optional: true}}
+		}
+		payload, rejected, err := MakePayload("m", []Projection{pr}, Options{Mode: 0o644})
+		if err != nil {
+			return
+		}
+		for p := range payload {
+			clean, cerr := CleanPath(p)
+			if cerr != nil || clean != p || !filepath.IsLocal(p) || strings.HasPrefix(p, "..") {
+				t.Fatalf("keys %q, %q (item %q) gave path %q", k1, k2, item, p)
+			}
+		}
+		for _, r := range rejected {
+			if r.Err == nil || r.Mount != "m" || r.Source != "s" {
+				t.Fatalf("rejection without a reason or a name: %+v", r)
+			}
+		}
+	})
 }

@@ -79,10 +79,13 @@ type WriterOptions struct {
 //     changed with exclusive create (never through a symlink), chmod and chown
 //     the open file, fsync it when Sync is set; hard-link unchanged files
 //     from the current version. fsync the new directories.
-//  4. Point ..data_tmp at the new version and rename it over ..data: the one
+//  4. Create the visible symlinks of new first path elements; they dangle
+//     until the switch. (The kubelet creates them after the switch, so a
+//     crash in between leaves names of the current version invisible.)
+//  5. Point ..data_tmp at the new version and rename it over ..data: the one
 //     atomic switch. fsync the mount directory.
-//  5. Create missing visible symlinks, remove visible symlinks no longer in
-//     the payload, remove the previous version directory.
+//  6. Remove the visible symlinks no longer in the payload, then the
+//     previous version directory.
 //
 // Every operation goes through an os.Root opened on the mount directory, or
 // through a directory handle opened from it without following symlinks with
@@ -231,7 +234,10 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	if w.current != nil {
 		old = w.current.payload
 		if old.Equal(payload) {
-			return Change{}, w.updateVisible(payload)
+			if err := w.addVisible(payload); err != nil {
+				return Change{}, err
+			}
+			return Change{}, w.removeStaleVisible(payload)
 		}
 	}
 	change := Diff(old, payload)
@@ -247,13 +253,19 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 			return Change{}, fmt.Errorf("atomic writer: %w: %w", ErrCheckFailed, err)
 		}
 	}
+	// New visible names dangle until the switch, then resolve: a crash at
+	// any point leaves every name of the current version visible.
+	if err := w.addVisible(payload); err != nil {
+		_ = w.root.RemoveAll(name)
+		return Change{}, err
+	}
 	if err := w.switchTo(name); err != nil {
 		_ = w.root.RemoveAll(name)
 		return Change{}, err
 	}
 	previous := w.current
 	w.current = &version{name: name, payload: payload}
-	if err := w.updateVisible(payload); err != nil {
+	if err := w.removeStaleVisible(payload); err != nil {
 		return change, err
 	}
 	if previous == nil {
@@ -638,30 +650,22 @@ func (w *AtomicWriter) switchTo(name string) error {
 	return nil
 }
 
-// updateVisible creates a symlink name -> ..data/name for every first path
-// element of payload that lacks one, and removes the writer's symlinks for
-// names no longer in it. When the visible entries are known it touches only
-// the names that changed; otherwise it checks every entry, which also
-// re-creates symlinks lost in a crash (kubernetes#121472). An entry that is
-// in the way and is not the writer's symlink is reported as foreign content
-// and left alone.
-func (w *AtomicWriter) updateVisible(payload Payload) error {
-	want := topLevel(payload)
+// addVisible creates a symlink name -> ..data/name for every first path
+// element of payload that lacks one. When the visible entries are known it
+// touches only new names; otherwise it checks every entry first, which also
+// re-creates symlinks an interrupted kubelet-style write could lose
+// (kubernetes#121472). An entry in the way that is not the writer's symlink
+// is foreign content: it is left alone and reported.
+func (w *AtomicWriter) addVisible(payload Payload) error {
 	known := w.visible
-	w.visible = nil // until this update completes
+	w.visible = nil // unknown until this update completes
 	if known == nil {
 		var err error
 		if known, err = w.scanVisible(); err != nil {
 			return err
 		}
 	}
-	for name := range known {
-		if !want[name] && w.isVisibleLink(name) {
-			if err := w.root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
-				return fmt.Errorf("atomic writer: %w", err)
-			}
-		}
-	}
+	want := topLevel(payload)
 	for _, name := range slices.Sorted(maps.Keys(want)) {
 		if known[name] {
 			continue
@@ -675,6 +679,24 @@ func (w *AtomicWriter) updateVisible(payload Payload) error {
 		}
 		if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
 			if err := w.root.Lchown(name, w.opts.DirUID, w.opts.DirGID); err != nil {
+				return fmt.Errorf("atomic writer: %w", err)
+			}
+		}
+		known[name] = true
+	}
+	w.visible = known
+	return nil
+}
+
+// removeStaleVisible removes the writer's symlinks for first path elements
+// no longer in payload, after the switch.
+func (w *AtomicWriter) removeStaleVisible(payload Payload) error {
+	want := topLevel(payload)
+	known := w.visible
+	w.visible = nil
+	for name := range known {
+		if !want[name] && w.isVisibleLink(name) {
+			if err := w.root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				return fmt.Errorf("atomic writer: %w", err)
 			}
 		}

@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -88,7 +89,7 @@ prefx = "/apps/app/"
 name = "app"
 dir = "/etc"
 source = "nope"
-medium = "tmpfs"
+medium = "ramdisk"
 default_mode = "999"
 `)
 	code, out, errOut = runCmd("check", "-config", invalid)
@@ -102,7 +103,7 @@ default_mode = "999"
 		invalid + `:13: mount[1].name: mount name "app" is already used by mount[0]`,
 		invalid + `:14: mount[1].dir: "/etc" is a system directory`,
 		invalid + `:15: mount[1].source: unknown source "nope"`,
-		invalid + `:16: mount[1].medium: medium "tmpfs" is not supported yet`,
+		invalid + `:16: mount[1].medium: "ramdisk" is not one of disk, tmpfs`,
 		invalid + `:17: mount[1].default_mode: bad mode "999"`,
 	} {
 		if !strings.Contains(errOut, want) {
@@ -166,12 +167,30 @@ func (e *env) put(key, value string) {
 	etcdtest.Put(e.t, e.cli, key, value)
 }
 
+// logBuffer collects a process's output while the test reads it.
+type logBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *logBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *logBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
 // start runs the kvmount binary.
-func (e *env) start(args ...string) (*exec.Cmd, *bytes.Buffer) {
+func (e *env) start(args ...string) (*exec.Cmd, *logBuffer) {
 	e.t.Helper()
-	var logs bytes.Buffer
+	logs := &logBuffer{}
 	cmd := exec.Command(kvmountBin, append(args, "-config", e.config)...)
-	cmd.Stderr = &logs
+	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		e.t.Fatal(err)
 	}
@@ -181,7 +200,7 @@ func (e *env) start(args ...string) (*exec.Cmd, *bytes.Buffer) {
 			cmd.Wait()
 		}
 	})
-	return cmd, &logs
+	return cmd, logs
 }
 
 // waitFile waits until path holds want.
