@@ -159,6 +159,15 @@ var (
 	buildErr  error
 )
 
+// TestMain removes the binary the benchmarks built.
+func TestMain(m *testing.M) {
+	code := m.Run()
+	if binPath != "" {
+		os.RemoveAll(filepath.Dir(binPath))
+	}
+	os.Exit(code)
+}
+
 // buildKvmount builds the kvmount binary once per benchmark run.
 func buildKvmount(b *testing.B) string {
 	b.Helper()
