@@ -10,10 +10,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,7 +21,6 @@ import (
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/faultproxy"
-	"github.com/kvmount/kvmount/projector"
 )
 
 // backend is one source kind with a real store behind it, as the contract
@@ -219,48 +216,19 @@ var contract = []contractCase{
 		h.start()
 		dir := h.path("mnt", "m")
 		h.waitContent(dir, map[string]string{"a": "0", "b": "0", "c": "0"})
-		stop := make(chan struct{})
-		var reads atomic.Int64
-		var wg sync.WaitGroup
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				default:
-				}
-				version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
-				if err != nil {
-					continue
-				}
-				var vals []string
-				for _, f := range []string{"a", "b", "c"} {
-					data, err := os.ReadFile(filepath.Join(dir, version, f))
-					if err != nil {
-						break
-					}
-					vals = append(vals, string(data))
-				}
-				if len(vals) == 3 {
-					reads.Add(1)
-					if vals[0] != vals[1] || vals[1] != vals[2] {
-						t.Errorf("version %s mixes changes: %v", version, vals)
-					}
-				}
+		stop := readVersions(t, dir, []string{"a", "b", "c"}, func(version string, vals []string) {
+			if vals[0] != vals[1] || vals[1] != vals[2] {
+				t.Errorf("version %s mixes changes: %v", version, vals)
 			}
-		}()
+		})
 		for i := 1; i <= 50; i++ {
 			v := fmt.Sprint(i)
 			b.put(t, p+"a", v, p+"b", v, p+"c", v)
 			time.Sleep(time.Millisecond) // let some of them reach the disk one by one
 		}
 		h.waitContent(dir, map[string]string{"a": "50", "b": "50", "c": "50"})
-		close(stop)
-		wg.Wait()
-		if reads.Load() == 0 {
-			t.Error("no consistent read was made")
+		if stop() == 0 {
+			t.Error("no whole-version read was made")
 		}
 	}},
 	{"outage keeps content, recovery resumes", func(t *testing.T, h *harness, proxy *faultproxy.Proxy, b backend, p string) {

@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bufio"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -15,55 +14,14 @@ import (
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/faultproxy"
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
-// requireRoot skips a test that mounts or changes owners, unless CI=true,
-// where the machine runs as root and a skip would hide the test.
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("this test needs root, and CI runs as root")
-		}
-		t.Skip("this test needs root")
-	}
-}
-
-// mountsAt counts the mounts whose mount point is dir.
-func mountsAt(t *testing.T, dir string) int {
-	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	n := 0
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) > 4 && fields[4] == dir {
-			n++
-		}
-	}
-	return n
-}
-
-// unmountAtEnd makes sure no tmpfs stays mounted at dir after the test.
-func unmountAtEnd(t *testing.T, dir string) {
-	t.Cleanup(func() {
-		for mountsAt(t, dir) > 0 {
-			if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
-				t.Errorf("unmount %s: %v", dir, err)
-				return
-			}
-		}
-	})
-}
-
 func TestTmpfsMedium(t *testing.T) {
-	requireRoot(t)
+	roottest.Require(t)
 	h := newHarness(t)
 	dir := h.path("mnt", "secrets")
-	unmountAtEnd(t, dir)
+	roottest.UnmountAtEnd(t, dir)
 	h.put("/s/db-password", "hunter2", "/s/tls/key.pem", "KEY")
 	tmpfs := h.mount("secrets", "/s/", `medium = "tmpfs"`, `size_limit = "64KiB"`, `default_mode = "0400"`, `dir_mode = "0750"`, `user = "1234"`, `group = "5678"`)
 	h.writeConfig(tmpfs)
@@ -107,7 +65,7 @@ func TestTmpfsMedium(t *testing.T) {
 	h.stop()
 	h.start()
 	h.waitReady()
-	if n := mountsAt(t, dir); n != 1 {
+	if n := roottest.MountsAt(t, dir); n != 1 {
 		t.Errorf("%d mounts at %s after restart; want 1", n, dir)
 	}
 	if _, v := content(dir); v != version {
@@ -118,7 +76,7 @@ func TestTmpfsMedium(t *testing.T) {
 	h.writeConfig(h.mount("other", "/s/"))
 	h.sighup()
 	h.waitGone(dir)
-	if n := mountsAt(t, dir); n != 0 {
+	if n := roottest.MountsAt(t, dir); n != 0 {
 		t.Errorf("%d mounts left at %s after teardown", n, dir)
 	}
 }
@@ -126,7 +84,7 @@ func TestTmpfsMedium(t *testing.T) {
 // TestModeAndOwnerOnlyChanges changes only default_mode, then only the
 // owner, by reload: the files follow without a change of content.
 func TestModeAndOwnerOnlyChanges(t *testing.T) {
-	requireRoot(t)
+	roottest.Require(t)
 	h := newHarness(t)
 	h.put("/mo/a", "1")
 	h.writeConfig(h.mount("mo", "/mo/"))

@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -11,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/consul"
@@ -29,39 +30,6 @@ import (
 // waitTimeout bounds every wait in these tests. Changes propagate in
 // milliseconds; the bound is reached only when something is broken.
 const waitTimeout = 30 * time.Second
-
-// syncBuffer collects logs from the daemon's goroutines.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
-// count returns how many log lines contain every one of parts.
-func (b *syncBuffer) count(parts ...string) int {
-	n := 0
-	for line := range strings.SplitSeq(b.String(), "\n") {
-		ok := true
-		for _, p := range parts {
-			ok = ok && strings.Contains(line, p)
-		}
-		if ok && line != "" {
-			n++
-		}
-	}
-	return n
-}
 
 // harness runs the daemon in-process against a real store: etcd unless a
 // test sets sources.
@@ -75,7 +43,7 @@ type harness struct {
 	// sources returns the [sources.*] tables of the configuration; nil
 	// means the etcd source "main" dialing endpoint.
 	sources  func() string
-	logs     *syncBuffer
+	logs     *testlog.Buffer
 	reload   chan os.Signal
 	notified chan string
 	cancel   context.CancelFunc
@@ -97,7 +65,7 @@ func newHarness(t *testing.T) *harness {
 func newBareHarness(t *testing.T) *harness {
 	t.Helper()
 	base := t.TempDir()
-	h := &harness{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &syncBuffer{}}
+	h := &harness{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &testlog.Buffer{}}
 	t.Cleanup(func() {
 		h.stop()
 		if t.Failed() {
@@ -273,7 +241,7 @@ func summary(m map[string]string) string {
 func (h *harness) waitLog(parts ...string) {
 	h.t.Helper()
 	deadline := time.Now().Add(waitTimeout)
-	for h.logs.count(parts...) == 0 {
+	for h.logs.Count(parts...) == 0 {
 		if time.Now().After(deadline) {
 			h.t.Fatalf("no log line with %q", parts)
 		}
@@ -308,4 +276,51 @@ func entries(t *testing.T, dir string) []string {
 		names = append(names, e.Name())
 	}
 	return names
+}
+
+// readVersions reads, in a loop until the returned stop is called, the
+// files of the version ..data names, resolving ..data once per round as a
+// careful reader does, and hands each complete set of values to check. A
+// round whose version was replaced and removed meanwhile is skipped. stop
+// returns how many complete rounds there were.
+func readVersions(t *testing.T, dir string, files []string, check func(version string, values []string)) (stop func() int64) {
+	done := make(chan struct{})
+	var reads atomic.Int64
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
+			if err != nil {
+				continue
+			}
+			values := make([]string, 0, len(files))
+			for _, name := range files {
+				data, err := os.ReadFile(filepath.Join(dir, version, name))
+				if errors.Is(err, fs.ErrNotExist) {
+					break
+				}
+				if err != nil {
+					t.Errorf("%s/%s: %v", version, name, err)
+					return
+				}
+				values = append(values, string(data))
+			}
+			if len(values) == len(files) {
+				reads.Add(1)
+				check(version, values)
+			}
+		}
+	}()
+	return func() int64 {
+		close(done)
+		wg.Wait()
+		return reads.Load()
+	}
 }

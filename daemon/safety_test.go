@@ -3,7 +3,6 @@ package daemon
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -67,7 +66,7 @@ func TestReaderConsistency(t *testing.T) {
 
 	stop := make(chan struct{})
 	var wg sync.WaitGroup
-	var snapshotReads, visibleReads atomic.Int64
+	var visibleReads atomic.Int64
 	reader := func(read func() bool) {
 		defer wg.Done()
 		for {
@@ -82,31 +81,14 @@ func TestReaderConsistency(t *testing.T) {
 		}
 	}
 	// Resolve ..data once, read every file below it.
-	wg.Add(1)
-	go reader(func() bool {
-		version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
-		if err != nil {
-			t.Errorf("..data: %v", err)
-			return true
-		}
+	stopVersions := readVersions(t, dir, keys, func(version string, values []string) {
 		revs := map[int]bool{}
-		for _, k := range keys {
-			data, err := os.ReadFile(filepath.Join(dir, version, k))
-			if errors.Is(err, fs.ErrNotExist) {
-				return false // replaced and removed meanwhile: read again
-			}
-			if err != nil {
-				t.Errorf("%s/%s: %v", version, k, err)
-				return true
-			}
-			revs[recordRev(string(data))] = true
+		for _, v := range values {
+			revs[recordRev(v)] = true
 		}
-		snapshotReads.Add(1)
 		if len(revs) != 1 || revs[-1] {
 			t.Errorf("version %s holds revisions %v", version, revs)
-			return true
 		}
-		return false
 	})
 	// Open the visible names, as a service does.
 	for _, k := range keys {
@@ -135,8 +117,9 @@ func TestReaderConsistency(t *testing.T) {
 	h.waitContent(dir, want)
 	close(stop)
 	wg.Wait()
-	t.Logf("%d whole-version reads, %d visible-name reads during %d transactions", snapshotReads.Load(), visibleReads.Load(), rounds)
-	if snapshotReads.Load() < 100 || visibleReads.Load() < 100 {
+	snapshotReads := stopVersions()
+	t.Logf("%d whole-version reads, %d visible-name reads during %d transactions", snapshotReads, visibleReads.Load(), rounds)
+	if snapshotReads < 100 || visibleReads.Load() < 100 {
 		t.Errorf("too few reads to mean anything")
 	}
 }

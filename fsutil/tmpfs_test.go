@@ -1,48 +1,18 @@
 package fsutil
 
 import (
-	"bufio"
 	"os"
 	"path/filepath"
-	"strings"
 	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
-// requireRoot skips a test that mounts, unless CI=true, where the machine
-// runs as root and a skip would hide the test.
-func requireRoot(t *testing.T) {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		if os.Getenv("CI") == "true" {
-			t.Fatal("mounting tmpfs needs root, and CI runs as root")
-		}
-		t.Skip("mounting tmpfs needs root")
-	}
-}
-
-// mountsAt counts the mounts whose mount point is dir.
-func mountsAt(t *testing.T, dir string) int {
-	t.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	n := 0
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) > 4 && fields[4] == dir {
-			n++
-		}
-	}
-	return n
-}
-
 func TestTmpfsMountRemountUnmount(t *testing.T) {
-	requireRoot(t)
+	roottest.Require(t)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		t.Fatal(err)
@@ -82,7 +52,7 @@ func TestTmpfsMountRemountUnmount(t *testing.T) {
 	if err := MountTmpfs(dir, TmpfsOptions{Size: 2 << 20, Mode: 0o755, UID: -1, GID: -1}); err != nil {
 		t.Fatal(err)
 	}
-	if n := mountsAt(t, dir); n != 1 {
+	if n := roottest.MountsAt(t, dir); n != 1 {
 		t.Errorf("%d mounts at %s; want 1", n, dir)
 	}
 	if _, err := os.Stat(filepath.Join(dir, "kept")); err != nil {
@@ -95,7 +65,7 @@ func TestTmpfsMountRemountUnmount(t *testing.T) {
 	if err := UnmountTmpfs(dir); err != nil {
 		t.Fatal(err)
 	}
-	if ok, _ := IsTmpfsMount(dir); ok || mountsAt(t, dir) != 0 {
+	if ok, _ := IsTmpfsMount(dir); ok || roottest.MountsAt(t, dir) != 0 {
 		t.Errorf("still mounted after UnmountTmpfs")
 	}
 	if _, err := os.Stat(filepath.Join(dir, "kept")); !os.IsNotExist(err) {
@@ -109,7 +79,7 @@ func TestTmpfsMountRemountUnmount(t *testing.T) {
 // TestDirectoryOnTmpfsIsNotATmpfsMount: a plain directory inside a tmpfs
 // (as any under /run) is not a mount of its own.
 func TestDirectoryOnTmpfsIsNotATmpfsMount(t *testing.T) {
-	requireRoot(t)
+	roottest.Require(t)
 	base := filepath.Join(t.TempDir(), "mnt")
 	if err := os.Mkdir(base, 0o755); err != nil {
 		t.Fatal(err)

@@ -152,13 +152,21 @@ func TestCrashConsistency(t *testing.T) {
 			}
 			time.Sleep(time.Millisecond)
 		}
-		for wait := time.Now().Add(waitTimeout); !strings.Contains(logs.String(), "kvmount started"); {
+		// Half the kills land anywhere after the start (reading the store,
+		// adopting, writing); the other half after the restarted daemon
+		// has projected something, inside the stream of writes that
+		// follows, so that the content is sure to move on.
+		awaited := "kvmount started"
+		if kill%2 == 1 {
+			awaited = "msg=projected"
+		}
+		for wait := time.Now().Add(waitTimeout); !strings.Contains(logs.String(), awaited); {
 			if time.Now().After(wait) {
-				t.Fatalf("kill %d: the daemon did not start; logs:\n%s", kill, logs)
+				t.Fatalf("kill %d: no %q from the daemon; logs:\n%s", kill, awaited, logs)
 			}
 			time.Sleep(time.Millisecond)
 		}
-		time.Sleep(time.Duration(rand.IntN(60)) * time.Millisecond)
+		time.Sleep(time.Duration(rand.IntN(40)) * time.Millisecond)
 		if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 			t.Fatal(err)
 		}

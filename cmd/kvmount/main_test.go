@@ -8,7 +8,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/testlog"
 )
 
 const waitTimeout = 30 * time.Second
@@ -167,28 +167,10 @@ func (e *env) put(key, value string) {
 	etcdtest.Put(e.t, e.cli, key, value)
 }
 
-// logBuffer collects a process's output while the test reads it.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // start runs the kvmount binary.
-func (e *env) start(args ...string) (*exec.Cmd, *logBuffer) {
+func (e *env) start(args ...string) (*exec.Cmd, *testlog.Buffer) {
 	e.t.Helper()
-	logs := &logBuffer{}
+	logs := &testlog.Buffer{}
 	cmd := exec.Command(kvmountBin, append(args, "-config", e.config)...)
 	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {

@@ -3,7 +3,6 @@
 package consultest
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"os"
@@ -15,6 +14,8 @@ import (
 	"time"
 
 	"github.com/hashicorp/consul/api"
+
+	"github.com/kvmount/kvmount/internal/testlog"
 )
 
 // startTimeout bounds how long an agent may take to elect itself leader.
@@ -61,25 +62,7 @@ type Agent struct {
 	mu   sync.Mutex
 	cmd  *exec.Cmd
 	done chan struct{}
-	logs logBuffer
-}
-
-// logBuffer collects an agent's output; it is safe for concurrent use.
-type logBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *logBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *logBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
+	logs testlog.Buffer
 }
 
 // Start starts an agent and waits until it is leader; it is stopped when

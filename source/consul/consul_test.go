@@ -1,117 +1,28 @@
 package consul
 
 import (
-	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/consultest"
-	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/internal/sourcetest"
 )
 
-const waitTimeout = 30 * time.Second
-
-var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
-
-// recorder is a source.Publisher that keeps the last snapshot and status.
-type recorder struct {
-	mu      sync.Mutex
-	snaps   []source.Snapshot
-	err     error
-	changed chan struct{}
-}
-
-func (r *recorder) Publish(s source.Snapshot) {
-	r.mu.Lock()
-	r.snaps = append(r.snaps, s)
-	r.err = nil
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) Status(err error) {
-	r.mu.Lock()
-	r.err = err
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) wake() {
-	select {
-	case r.changed <- struct{}{}:
-	default:
-	}
-}
-
-func (r *recorder) waitFor(t *testing.T, what string, cond func(last *source.Snapshot, err error) bool) {
+func follow(t *testing.T, cfg *Config, prefix string) *sourcetest.Recorder {
 	t.Helper()
-	deadline := time.After(waitTimeout)
-	for {
-		r.mu.Lock()
-		var last *source.Snapshot
-		if len(r.snaps) > 0 {
-			last = &r.snaps[len(r.snaps)-1]
-		}
-		ok := cond(last, r.err)
-		r.mu.Unlock()
-		if ok {
-			return
-		}
-		select {
-		case <-r.changed:
-		case <-deadline:
-			t.Fatalf("timed out waiting for %s; last %v, status %v", what, last, r.err)
-		}
-	}
-}
-
-func holds(want map[string]string) func(*source.Snapshot, error) bool {
-	return func(last *source.Snapshot, _ error) bool {
-		if last == nil || len(last.Entries) != len(want) {
-			return false
-		}
-		for k, v := range want {
-			if string(last.Entries[k]) != v {
-				return false
-			}
-		}
-		return true
-	}
-}
-
-func follow(t *testing.T, cfg *Config, prefix string) *recorder {
-	t.Helper()
-	src, err := New("main", cfg, discard)
+	src, err := New("main", cfg, sourcetest.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec := &recorder{changed: make(chan struct{}, 1)}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Follow(ctx, prefix, rec) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != context.Canceled {
-				t.Errorf("Follow returned %v; want context.Canceled", err)
-			}
-		case <-time.After(waitTimeout):
-			t.Errorf("Follow did not return after cancel")
-		}
-		src.Close()
-	})
-	return rec
+	t.Cleanup(func() { src.Close() }) // after the Follow has ended
+	return sourcetest.Follow(t, src, prefix)
 }
 
 func watchConfig(addr string) *Config {
@@ -123,15 +34,13 @@ func TestFollow(t *testing.T) {
 	client := agent.Client()
 	consultest.Txn(t, client, "app/a", "1", "app/dir/b", "2", "other/x", "no")
 	rec := follow(t, watchConfig(agent.Addr()), "app/")
-	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "1", "dir/b": "2"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "1", "dir/b": "2"}))
 	consultest.Txn(t, client, "app/a", "one", "app/c", "3")
-	rec.waitFor(t, "update", holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
+	rec.WaitFor(t, "update", sourcetest.Holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
 	consultest.Txn(t, client, "app/dir/b", consultest.Delete)
-	rec.waitFor(t, "delete", holds(map[string]string{"a": "one", "c": "3"}))
+	rec.WaitFor(t, "delete", sourcetest.Holds(map[string]string{"a": "one", "c": "3"}))
 	consultest.Txn(t, client, "app/a", consultest.Delete, "app/c", consultest.Delete)
-	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool {
-		return last != nil && last.Missing && len(last.Entries) == 0
-	})
+	rec.WaitFor(t, "prefix gone", sourcetest.Missing)
 }
 
 // TestTransactionIsOneSnapshot checks that the keys of one Consul
@@ -141,14 +50,13 @@ func TestTransactionIsOneSnapshot(t *testing.T) {
 	client := agent.Client()
 	consultest.Txn(t, client, "tx/a", "0", "tx/b", "0")
 	rec := follow(t, watchConfig(agent.Addr()), "tx/")
-	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "0", "b": "0"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "0", "b": "0"}))
 	for i := 1; i <= 100; i++ {
 		consultest.Txn(t, client, "tx/a", fmt.Sprint(i), "tx/b", fmt.Sprint(i))
 	}
-	rec.waitFor(t, "last transaction", holds(map[string]string{"a": "100", "b": "100"}))
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	for _, s := range rec.snaps {
+	rec.WaitFor(t, "last transaction", sourcetest.Holds(map[string]string{"a": "100", "b": "100"}))
+	snaps, _ := rec.State()
+	for _, s := range snaps {
 		if string(s.Entries["a"]) != string(s.Entries["b"]) {
 			t.Fatalf("snapshot at index %s mixes transactions: %q %q", s.Revision, s.Entries["a"], s.Entries["b"])
 		}
@@ -166,14 +74,14 @@ func TestAgentRestartResetsIndex(t *testing.T) {
 		consultest.Txn(t, client, "r/a", fmt.Sprint(i))
 	}
 	rec := follow(t, watchConfig(agent.Addr()), "r/")
-	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "29"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "29"}))
 	agent.Stop()
-	rec.waitFor(t, "stale status", func(_ *source.Snapshot, err error) bool { return err != nil })
+	rec.WaitFor(t, "stale status", sourcetest.Failing)
 	if err := agent.Restart(); err != nil {
 		t.Fatal(err)
 	}
 	consultest.Txn(t, client, "r/a", "after restart")
-	rec.waitFor(t, "write after restart", holds(map[string]string{"a": "after restart"}))
+	rec.WaitFor(t, "write after restart", sourcetest.Holds(map[string]string{"a": "after restart"}))
 }
 
 func TestPoll(t *testing.T) {
@@ -183,9 +91,9 @@ func TestPoll(t *testing.T) {
 	cfg := watchConfig(agent.Addr())
 	cfg.ChangeDetection, cfg.PollInterval = Poll, 50*time.Millisecond
 	rec := follow(t, cfg, "p/")
-	rec.waitFor(t, "initial snapshot", holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	consultest.Txn(t, client, "p/a", "2")
-	rec.waitFor(t, "polled change", holds(map[string]string{"a": "2"}))
+	rec.WaitFor(t, "polled change", sourcetest.Holds(map[string]string{"a": "2"}))
 }
 
 // TestMisbehavingServerCannotMakeItSpin serves blocking queries that return
@@ -202,7 +110,7 @@ func TestMisbehavingServerCannotMakeItSpin(t *testing.T) {
 	}))
 	defer srv.Close()
 	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "m/")
-	rec.waitFor(t, "snapshot", holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	time.Sleep(time.Second) // the span over which queries are counted
 	if n := queries.Load(); n > idleBurst+2 {
 		t.Errorf("%d queries in about a second; the rate limit allows %d", n, idleBurst+2)
@@ -283,7 +191,7 @@ func TestTokenIsSentAndNeverPrinted(t *testing.T) {
 		t.Errorf("the token is printed: %s", s)
 	}
 	rec := follow(t, c, "x/")
-	rec.waitFor(t, "missing prefix", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing })
+	rec.WaitFor(t, "missing prefix", sourcetest.Missing)
 	if got.Load() != "s3cr3t-token" {
 		t.Errorf("X-Consul-Token = %q; want the token from the file", got.Load())
 	}

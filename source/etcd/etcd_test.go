@@ -3,8 +3,6 @@ package etcd
 import (
 	"context"
 	"fmt"
-	"io"
-	"log/slog"
 	"strings"
 	"sync"
 	"testing"
@@ -12,142 +10,37 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/sourcetest"
 	"github.com/kvmount/kvmount/source"
 )
 
-// waitTimeout bounds every wait for a snapshot; changes arrive in
-// milliseconds, so this is only reached when something is broken.
-const waitTimeout = 20 * time.Second
-
-var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
-
-// recorder is a source.Publisher that keeps everything it is given.
-type recorder struct {
-	mu      sync.Mutex
-	snaps   []source.Snapshot
-	err     error
-	errs    int
-	changed chan struct{}
-}
-
-func newRecorder() *recorder { return &recorder{changed: make(chan struct{}, 1)} }
-
-func (r *recorder) Publish(s source.Snapshot) {
-	r.mu.Lock()
-	r.snaps = append(r.snaps, s)
-	r.err = nil
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) Status(err error) {
-	r.mu.Lock()
-	r.err = err
-	if err != nil {
-		r.errs++
-	}
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) wake() {
-	select {
-	case r.changed <- struct{}{}:
-	default:
-	}
-}
-
-// waitFor waits until cond holds for the recorded snapshots and status.
-func (r *recorder) waitFor(t *testing.T, what string, cond func(snaps []source.Snapshot, err error) bool) {
-	t.Helper()
-	deadline := time.After(waitTimeout)
-	for {
-		r.mu.Lock()
-		ok := cond(r.snaps, r.err)
-		r.mu.Unlock()
-		if ok {
-			return
-		}
-		select {
-		case <-r.changed:
-		case <-deadline:
-			r.mu.Lock()
-			defer r.mu.Unlock()
-			var last source.Snapshot
-			if len(r.snaps) > 0 {
-				last = r.snaps[len(r.snaps)-1]
-			}
-			t.Fatalf("timed out waiting for %s; %d snapshots, last %v, status %v", what, len(r.snaps), render(last), r.err)
-		}
-	}
-}
-
-// lastIs reports whether the last snapshot holds exactly want.
-func lastIs(want map[string]string) func([]source.Snapshot, error) bool {
-	return func(snaps []source.Snapshot, _ error) bool {
-		return len(snaps) > 0 && render(snaps[len(snaps)-1]) == renderMap(want)
-	}
-}
-
-func render(s source.Snapshot) string {
-	m := map[string]string{}
-	for k, v := range s.Entries {
-		m[k] = string(v)
-	}
-	return renderMap(m)
-}
-
-func renderMap(m map[string]string) string {
-	return fmt.Sprint(m)
-}
-
 // follow runs a Follow of prefix on a new Source until the test ends.
-func follow(t *testing.T, cfg *Config, prefix string) *recorder {
+func follow(t *testing.T, cfg *Config, prefix string) *sourcetest.Recorder {
 	t.Helper()
-	src, err := New("main", cfg, discard)
+	src, err := New("main", cfg, sourcetest.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rec := newRecorder()
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Follow(ctx, prefix, rec) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if err != context.Canceled {
-				t.Errorf("Follow returned %v; want context.Canceled", err)
-			}
-		case <-time.After(waitTimeout):
-			t.Errorf("Follow did not return after cancel")
-		}
-		src.Close()
-	})
-	return rec
+	t.Cleanup(func() { src.Close() }) // after the Follow has ended
+	return sourcetest.Follow(t, src, prefix)
 }
 
 func TestFollowPutUpdateDelete(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	etcdtest.Put(t, cli, "/app/a", "1", "/app/dir/b", "2", "/other/x", "no")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/app/")
-	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1", "dir/b": "2"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "1", "dir/b": "2"}))
 	etcdtest.Put(t, cli, "/app/c", "3")
-	rec.waitFor(t, "add", lastIs(map[string]string{"a": "1", "dir/b": "2", "c": "3"}))
+	rec.WaitFor(t, "add", sourcetest.Holds(map[string]string{"a": "1", "dir/b": "2", "c": "3"}))
 	etcdtest.Put(t, cli, "/app/a", "one")
-	rec.waitFor(t, "update", lastIs(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
+	rec.WaitFor(t, "update", sourcetest.Holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
 	etcdtest.Put(t, cli, "/app/dir/b", etcdtest.Delete)
-	rec.waitFor(t, "delete", lastIs(map[string]string{"a": "one", "c": "3"}))
+	rec.WaitFor(t, "delete", sourcetest.Holds(map[string]string{"a": "one", "c": "3"}))
 	etcdtest.Put(t, cli, "/other/y", "ignored", "/app/a", "one") // no change under /app/
 	etcdtest.Put(t, cli, "/app/a", etcdtest.Delete, "/app/c", etcdtest.Delete)
-	rec.waitFor(t, "delete all", func(snaps []source.Snapshot, _ error) bool {
-		last := snaps[len(snaps)-1]
-		return len(last.Entries) == 0 && last.Missing
-	})
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	if len(rec.snaps) != 5 {
-		t.Errorf("got %d snapshots; want 5 (writes that change nothing under the prefix publish nothing)", len(rec.snaps))
+	rec.WaitFor(t, "delete all", sourcetest.Missing)
+	if snaps, _ := rec.State(); len(snaps) != 5 {
+		t.Errorf("got %d snapshots; want 5 (writes that change nothing under the prefix publish nothing)", len(snaps))
 	}
 }
 
@@ -157,17 +50,16 @@ func TestTransactionIsOneSnapshot(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	etcdtest.Put(t, cli, "/tx/a", "0", "/tx/b", "0", "/tx/c", "0")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/tx/")
-	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "0", "b": "0", "c": "0"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "0", "b": "0", "c": "0"}))
 	const rounds = 200
 	for i := 1; i <= rounds; i++ {
 		v := fmt.Sprint(i)
 		etcdtest.Put(t, cli, "/tx/a", v, "/tx/b", v, "/tx/c", v)
 	}
 	final := fmt.Sprint(rounds)
-	rec.waitFor(t, "last transaction", lastIs(map[string]string{"a": final, "b": final, "c": final}))
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	for _, s := range rec.snaps {
+	rec.WaitFor(t, "last transaction", sourcetest.Holds(map[string]string{"a": final, "b": final, "c": final}))
+	snaps, _ := rec.State()
+	for _, s := range snaps {
 		a, b, c := string(s.Entries["a"]), string(s.Entries["b"]), string(s.Entries["c"])
 		if a != b || b != c {
 			t.Fatalf("snapshot at revision %s mixes transactions: a=%s b=%s c=%s", s.Revision, a, b, c)
@@ -191,12 +83,13 @@ func TestLargePrefix(t *testing.T) {
 		etcdtest.Put(t, cli, kv...)
 	}
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/big/")
-	rec.waitFor(t, "100,000 keys", func(snaps []source.Snapshot, _ error) bool {
-		return len(snaps) > 0 && len(snaps[len(snaps)-1].Entries) == n
+	rec.WaitFor(t, "100,000 keys", func(snaps []source.Snapshot, _ error) bool {
+		last := sourcetest.Last(snaps)
+		return last != nil && len(last.Entries) == n
 	})
 	etcdtest.Put(t, cli, "/big/key-000000", "changed")
-	rec.waitFor(t, "a change after the large read", func(snaps []source.Snapshot, _ error) bool {
-		last := snaps[len(snaps)-1]
+	rec.WaitFor(t, "a change after the large read", func(snaps []source.Snapshot, _ error) bool {
+		last := sourcetest.Last(snaps)
 		return string(last.Entries["key-000000"]) == "changed" && string(last.Entries["key-099999"]) == "99999" && len(last.Entries) == n
 	})
 }
@@ -223,9 +116,9 @@ func TestCompactionRereads(t *testing.T) {
 	}
 	t.Cleanup(func() { testHookAfterList = nil })
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/c/")
-	rec.waitFor(t, "snapshot after compaction", lastIs(map[string]string{"keep": "1", "new": "3"}))
+	rec.WaitFor(t, "snapshot after compaction", sourcetest.Holds(map[string]string{"keep": "1", "new": "3"}))
 	etcdtest.Put(t, cli, "/c/later", "4")
-	rec.waitFor(t, "watch resumed after compaction", lastIs(map[string]string{"keep": "1", "new": "3", "later": "4"}))
+	rec.WaitFor(t, "watch resumed after compaction", sourcetest.Holds(map[string]string{"keep": "1", "new": "3", "later": "4"}))
 }
 
 // TestOutageKeepsLastSnapshot stops etcd while a prefix is followed: the
@@ -235,15 +128,15 @@ func TestOutageKeepsLastSnapshot(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	etcdtest.Put(t, cli, "/o/a", "1")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: time.Second}, "/o/")
-	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	srv.Stop() // takes etcd's request timeout (7 s) to end the open watch
-	rec.waitFor(t, "stale status", func(_ []source.Snapshot, err error) bool { return err != nil })
+	rec.WaitFor(t, "stale status", sourcetest.Failing)
 	if err := srv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitFor(t, "healthy status", func(_ []source.Snapshot, err error) bool { return err == nil })
+	rec.WaitFor(t, "healthy status", sourcetest.Healthy)
 	etcdtest.Put(t, cli, "/o/a", "2")
-	rec.waitFor(t, "write after restart", lastIs(map[string]string{"a": "2"}))
+	rec.WaitFor(t, "write after restart", sourcetest.Holds(map[string]string{"a": "2"}))
 }
 
 // TestStartsWhileEtcdIsDown follows a prefix of an etcd that is not running
@@ -253,31 +146,27 @@ func TestStartsWhileEtcdIsDown(t *testing.T) {
 	etcdtest.Put(t, cli, "/d/a", "1")
 	srv.Stop()
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: time.Second}, "/d/")
-	rec.waitFor(t, "stale status", func(_ []source.Snapshot, err error) bool { return err != nil })
+	rec.WaitFor(t, "stale status", sourcetest.Failing)
 	if err := srv.Restart(); err != nil {
 		t.Fatal(err)
 	}
-	rec.waitFor(t, "snapshot once etcd runs", lastIs(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "snapshot once etcd runs", sourcetest.Holds(map[string]string{"a": "1"}))
 }
 
 func TestPoll(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	etcdtest.Put(t, cli, "/p/a", "1")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Poll, PollInterval: 50 * time.Millisecond}, "/p/")
-	rec.waitFor(t, "initial snapshot", lastIs(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "initial snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	etcdtest.Put(t, cli, "/p/a", "2", "/p/b", "3")
-	rec.waitFor(t, "polled change", lastIs(map[string]string{"a": "2", "b": "3"}))
+	rec.WaitFor(t, "polled change", sourcetest.Holds(map[string]string{"a": "2", "b": "3"}))
 	etcdtest.Put(t, cli, "/p/a", etcdtest.Delete)
-	rec.waitFor(t, "polled delete", lastIs(map[string]string{"b": "3"}))
-	rec.mu.Lock()
-	n := len(rec.snaps)
-	rec.mu.Unlock()
+	rec.WaitFor(t, "polled delete", sourcetest.Holds(map[string]string{"b": "3"}))
+	before, _ := rec.State()
 	etcdtest.Put(t, cli, "/elsewhere", "x") // moves the revision, changes nothing under /p/
-	time.Sleep(300 * time.Millisecond)
-	rec.mu.Lock()
-	defer rec.mu.Unlock()
-	if len(rec.snaps) != n {
-		t.Errorf("polls without a change published %d more snapshots", len(rec.snaps)-n)
+	time.Sleep(300 * time.Millisecond)      // about six polls
+	if after, _ := rec.State(); len(after) != len(before) {
+		t.Errorf("polls without a change published %d more snapshots", len(after)-len(before))
 	}
 }
 
@@ -285,9 +174,9 @@ func TestEmptyPrefixIsEveryKey(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	etcdtest.Put(t, cli, "a", "1", "/b/c", "2")
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "")
-	rec.waitFor(t, "every key", lastIs(map[string]string{"a": "1", "/b/c": "2"}))
+	rec.WaitFor(t, "every key", sourcetest.Holds(map[string]string{"a": "1", "/b/c": "2"}))
 	etcdtest.Put(t, cli, "z", "3")
-	rec.waitFor(t, "watch of every key", lastIs(map[string]string{"a": "1", "/b/c": "2", "z": "3"}))
+	rec.WaitFor(t, "watch of every key", sourcetest.Holds(map[string]string{"a": "1", "/b/c": "2", "z": "3"}))
 }
 
 func TestDecode(t *testing.T) {

@@ -8,6 +8,8 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/kvmount/kvmount/internal/sourcetest"
 )
 
 // BenchmarkPollNotModified is the cost of one poll whose content did not
@@ -33,7 +35,7 @@ func BenchmarkPollNotModified(b *testing.B) {
 		io.WriteString(w, body)
 	}))
 	defer srv.Close()
-	src, err := New("bench", &Config{URL: srv.URL, Format: FormatJSON, Timeout: DefaultTimeout, MaxBodySize: DefaultMaxBodySize}, discard)
+	src, err := New("bench", &Config{URL: srv.URL, Format: FormatJSON, Timeout: DefaultTimeout, MaxBodySize: DefaultMaxBodySize}, sourcetest.Discard)
 	if err != nil {
 		b.Fatal(err)
 	}

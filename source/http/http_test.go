@@ -1,11 +1,9 @@
 package http
 
 import (
-	"context"
 	"encoding/pem"
 	"fmt"
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -16,12 +14,9 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/internal/sourcetest"
 	"github.com/kvmount/kvmount/source"
 )
-
-const waitTimeout = 30 * time.Second
-
-var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
 
 // server is an httptest server holding one document, with ETag and
 // Last-Modified support, and a switchable failure.
@@ -80,73 +75,6 @@ func (s *server) serve(w http.ResponseWriter, r *http.Request) {
 	io.WriteString(w, s.body)
 }
 
-type recorder struct {
-	mu      sync.Mutex
-	snaps   []source.Snapshot
-	err     error
-	changed chan struct{}
-}
-
-func (r *recorder) Publish(s source.Snapshot) {
-	r.mu.Lock()
-	r.snaps = append(r.snaps, s)
-	r.err = nil
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) Status(err error) {
-	r.mu.Lock()
-	r.err = err
-	r.mu.Unlock()
-	r.wake()
-}
-
-func (r *recorder) wake() {
-	select {
-	case r.changed <- struct{}{}:
-	default:
-	}
-}
-
-func (r *recorder) waitFor(t *testing.T, what string, cond func(last *source.Snapshot, err error) bool) {
-	t.Helper()
-	deadline := time.After(waitTimeout)
-	for {
-		r.mu.Lock()
-		var last *source.Snapshot
-		if len(r.snaps) > 0 {
-			last = &r.snaps[len(r.snaps)-1]
-		}
-		ok := cond(last, r.err)
-		r.mu.Unlock()
-		if ok {
-			return
-		}
-		select {
-		case <-r.changed:
-		case <-deadline:
-			t.Fatalf("timed out waiting for %s; last %v, status %v", what, last, r.err)
-		}
-	}
-}
-
-func holds(want map[string]string) func(*source.Snapshot, error) bool {
-	return func(last *source.Snapshot, _ error) bool {
-		if last == nil || len(last.Entries) != len(want) {
-			return false
-		}
-		for k, v := range want {
-			if string(last.Entries[k]) != v {
-				return false
-			}
-		}
-		return true
-	}
-}
-
-func failing(last *source.Snapshot, err error) bool { return err != nil }
-
 func newSource(t *testing.T, cfg *Config) *Source {
 	t.Helper()
 	if cfg.Format == "" {
@@ -161,7 +89,7 @@ func newSource(t *testing.T, cfg *Config) *Source {
 	if cfg.MaxBodySize == 0 {
 		cfg.MaxBodySize = DefaultMaxBodySize
 	}
-	src, err := New("web", cfg, discard)
+	src, err := New("web", cfg, sourcetest.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -169,33 +97,21 @@ func newSource(t *testing.T, cfg *Config) *Source {
 	return src
 }
 
-func follow(t *testing.T, src *Source, prefix string) *recorder {
+func follow(t *testing.T, src *Source, prefix string) *sourcetest.Recorder {
 	t.Helper()
-	rec := &recorder{changed: make(chan struct{}, 1)}
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- src.Follow(ctx, prefix, rec) }()
-	t.Cleanup(func() {
-		cancel()
-		select {
-		case <-done:
-		case <-time.After(waitTimeout):
-			t.Errorf("Follow did not return after cancel")
-		}
-	})
-	return rec
+	return sourcetest.Follow(t, src, prefix)
 }
 
 func TestFollowJSON(t *testing.T) {
 	srv := newServer(t, `{"app": {"a": "1", "dir": {"b": "2"}}, "other": "x"}`)
 	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "app/")
-	rec.waitFor(t, "initial", holds(map[string]string{"a": "1", "dir/b": "2"}))
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1", "dir/b": "2"}))
 	srv.setBody(`{"app": {"a": "one", "dir": {"b": "2"}, "c": "3"}}`)
-	rec.waitFor(t, "update", holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
+	rec.WaitFor(t, "update", sourcetest.Holds(map[string]string{"a": "one", "dir/b": "2", "c": "3"}))
 	srv.setBody(`{"app": {"c": "3"}}`)
-	rec.waitFor(t, "delete", holds(map[string]string{"c": "3"}))
+	rec.WaitFor(t, "delete", sourcetest.Holds(map[string]string{"c": "3"}))
 	srv.setBody(`{"other": "x"}`)
-	rec.waitFor(t, "prefix gone", func(last *source.Snapshot, _ error) bool { return last != nil && last.Missing })
+	rec.WaitFor(t, "prefix gone", sourcetest.Missing)
 }
 
 // TestConditionalRequests checks that unchanged content is answered with
@@ -207,18 +123,16 @@ func TestConditionalRequests(t *testing.T) {
 			srv := newServer(t, `{"a": "1"}`)
 			srv.useETag = useETag
 			rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
-			rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
-			deadline := time.Now().Add(waitTimeout)
+			rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1"}))
+			deadline := time.Now().Add(sourcetest.Timeout)
 			for srv.notModified.Load() < 5 {
 				if time.Now().After(deadline) {
 					t.Fatalf("only %d of %d requests were answered 304", srv.notModified.Load(), srv.requests.Load())
 				}
 				time.Sleep(10 * time.Millisecond)
 			}
-			rec.mu.Lock()
-			defer rec.mu.Unlock()
-			if len(rec.snaps) != 1 || rec.err != nil {
-				t.Errorf("%d snapshots, status %v; want 1 and healthy", len(rec.snaps), rec.err)
+			if snaps, err := rec.State(); len(snaps) != 1 || err != nil {
+				t.Errorf("%d snapshots, status %v; want 1 and healthy", len(snaps), err)
 			}
 		})
 	}
@@ -245,7 +159,7 @@ func TestFailuresKeepContent(t *testing.T) {
 			srv := newServer(t, `{"a": "1"}`)
 			src := newSource(t, &Config{URL: srv.URL, MaxBodySize: 1024})
 			rec := follow(t, src, "")
-			rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+			rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1"}))
 			if tt.fail != nil {
 				srv.mu.Lock()
 				srv.fail = tt.fail
@@ -253,10 +167,9 @@ func TestFailuresKeepContent(t *testing.T) {
 			} else {
 				srv.setBody(tt.body)
 			}
-			rec.waitFor(t, "failure", failing)
-			rec.mu.Lock()
-			err, last := rec.err, rec.snaps[len(rec.snaps)-1]
-			rec.mu.Unlock()
+			rec.WaitFor(t, "failure", sourcetest.Failing)
+			snaps, err := rec.State()
+			last := sourcetest.Last(snaps)
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("error %v; want %q", err, tt.want)
 			}
@@ -267,7 +180,7 @@ func TestFailuresKeepContent(t *testing.T) {
 			srv.fail = nil
 			srv.mu.Unlock()
 			srv.setBody(`{"a": "2"}`)
-			rec.waitFor(t, "recovery", holds(map[string]string{"a": "2"}))
+			rec.WaitFor(t, "recovery", sourcetest.Holds(map[string]string{"a": "2"}))
 		})
 	}
 }
@@ -275,7 +188,7 @@ func TestFailuresKeepContent(t *testing.T) {
 func TestRetryAfterIsHonoured(t *testing.T) {
 	srv := newServer(t, `{"a": "1"}`)
 	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
-	rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1"}))
 	srv.mu.Lock()
 	srv.fail = func(w http.ResponseWriter) bool {
 		w.Header().Set("Retry-After", "2")
@@ -283,7 +196,7 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 		return true
 	}
 	srv.mu.Unlock()
-	rec.waitFor(t, "429", failing)
+	rec.WaitFor(t, "429", sourcetest.Failing)
 	before := srv.requests.Load()
 	time.Sleep(time.Second) // within the two seconds asked for
 	if n := srv.requests.Load() - before; n != 0 {
@@ -292,7 +205,7 @@ func TestRetryAfterIsHonoured(t *testing.T) {
 	srv.mu.Lock()
 	srv.fail = nil
 	srv.mu.Unlock()
-	rec.waitFor(t, "recovery", func(_ *source.Snapshot, err error) bool { return err == nil })
+	rec.WaitFor(t, "recovery", sourcetest.Healthy)
 }
 
 func TestRetryAfter(t *testing.T) {
@@ -351,14 +264,14 @@ func TestFlatten(t *testing.T) {
 func TestRawFormat(t *testing.T) {
 	srv := newServer(t, "\x00\x01binary\xff")
 	rec := follow(t, newSource(t, &Config{URL: srv.URL, Format: FormatRaw, Key: "blob.bin"}), "")
-	rec.waitFor(t, "raw body", holds(map[string]string{"blob.bin": "\x00\x01binary\xff"}))
+	rec.WaitFor(t, "raw body", sourcetest.Holds(map[string]string{"blob.bin": "\x00\x01binary\xff"}))
 }
 
 func TestNotFoundIsMissing(t *testing.T) {
 	srv := newServer(t, `{}`)
 	srv.fail = func(w http.ResponseWriter) bool { w.WriteHeader(http.StatusNotFound); return true }
 	rec := follow(t, newSource(t, &Config{URL: srv.URL}), "")
-	rec.waitFor(t, "missing", func(last *source.Snapshot, err error) bool { return last != nil && last.Missing && err == nil })
+	rec.WaitFor(t, "missing", sourcetest.Missing)
 }
 
 // TestOnePollerForEveryPrefix follows two prefixes of one source: the server
@@ -367,8 +280,8 @@ func TestOnePollerForEveryPrefix(t *testing.T) {
 	srv := newServer(t, `{"a": {"x": "1"}, "b": {"y": "2"}}`)
 	src := newSource(t, &Config{URL: srv.URL, PollInterval: 200 * time.Millisecond})
 	a, b := follow(t, src, "a/"), follow(t, src, "b/")
-	a.waitFor(t, "a", holds(map[string]string{"x": "1"}))
-	b.waitFor(t, "b", holds(map[string]string{"y": "2"}))
+	a.WaitFor(t, "a", sourcetest.Holds(map[string]string{"x": "1"}))
+	b.WaitFor(t, "b", sourcetest.Holds(map[string]string{"y": "2"}))
 	start := srv.requests.Load()
 	time.Sleep(time.Second)
 	// About five polls in a second at 200 ms ±10 %; two pollers would make ten.
@@ -393,7 +306,7 @@ func TestHeadersAreSent(t *testing.T) {
 		t.Errorf("the header value is printed: %s", s)
 	}
 	rec := follow(t, newSource(t, c), "")
-	rec.waitFor(t, "initial", holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1"}))
 	srv.mu.Lock()
 	defer srv.mu.Unlock()
 	if srv.headers.Get("Authorization") != "Bearer s3cr3t" || srv.headers.Get("X-Env") != "prod" {
@@ -448,9 +361,9 @@ func TestTLS(t *testing.T) {
 		t.Fatal(err)
 	}
 	untrusted := follow(t, newSource(t, &Config{URL: srv.URL}), "")
-	untrusted.waitFor(t, "certificate error", func(_ *source.Snapshot, err error) bool {
+	untrusted.WaitFor(t, "certificate error", func(_ []source.Snapshot, err error) bool {
 		return err != nil && strings.Contains(err.Error(), "certificate")
 	})
 	trusted := follow(t, newSource(t, &Config{URL: srv.URL, TLS: config.TLS{CAFile: caFile, ServerName: "example.com"}}), "")
-	trusted.waitFor(t, "content over TLS", holds(map[string]string{"a": "over tls"}))
+	trusted.WaitFor(t, "content over TLS", sourcetest.Holds(map[string]string{"a": "over tls"}))
 }

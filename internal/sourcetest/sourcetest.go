@@ -1,0 +1,154 @@
+// Package sourcetest follows a source in a test and records what it
+// publishes, for the tests of every source kind.
+package sourcetest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/source"
+)
+
+// Timeout bounds every wait; changes arrive in milliseconds, so it is only
+// reached when something is broken.
+const Timeout = 30 * time.Second
+
+// Discard is a logger for sources under test.
+var Discard = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// Recorder is a source.Publisher that keeps every snapshot and the last
+// status. It is safe for concurrent use.
+type Recorder struct {
+	mu      sync.Mutex
+	snaps   []source.Snapshot
+	err     error
+	changed chan struct{}
+}
+
+// NewRecorder returns an empty Recorder.
+func NewRecorder() *Recorder { return &Recorder{changed: make(chan struct{}, 1)} }
+
+// Publish records s and clears the status.
+func (r *Recorder) Publish(s source.Snapshot) {
+	r.mu.Lock()
+	r.snaps = append(r.snaps, s)
+	r.err = nil
+	r.mu.Unlock()
+	r.wake()
+}
+
+// Status records err.
+func (r *Recorder) Status(err error) {
+	r.mu.Lock()
+	r.err = err
+	r.mu.Unlock()
+	r.wake()
+}
+
+func (r *Recorder) wake() {
+	select {
+	case r.changed <- struct{}{}:
+	default:
+	}
+}
+
+// State returns the snapshots published so far and the last status.
+func (r *Recorder) State() ([]source.Snapshot, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.snaps), r.err
+}
+
+// A Condition is what WaitFor waits for.
+type Condition func(snaps []source.Snapshot, err error) bool
+
+// WaitFor waits, at most Timeout, until cond holds.
+func (r *Recorder) WaitFor(tb testing.TB, what string, cond Condition) {
+	tb.Helper()
+	deadline := time.After(Timeout)
+	for {
+		snaps, err := r.State()
+		if cond(snaps, err) {
+			return
+		}
+		select {
+		case <-r.changed:
+		case <-deadline:
+			tb.Fatalf("timed out waiting for %s; %d snapshots, last %s, status %v", what, len(snaps), Render(Last(snaps)), err)
+		}
+	}
+}
+
+// Last returns the last of snaps, or nil.
+func Last(snaps []source.Snapshot) *source.Snapshot {
+	if len(snaps) == 0 {
+		return nil
+	}
+	return &snaps[len(snaps)-1]
+}
+
+// Holds is the condition that the last snapshot holds exactly want.
+func Holds(want map[string]string) Condition {
+	return func(snaps []source.Snapshot, _ error) bool {
+		last := Last(snaps)
+		return last != nil && maps.EqualFunc(last.Entries, want, func(v []byte, w string) bool { return string(v) == w })
+	}
+}
+
+// Missing is the condition that the last snapshot reports a missing prefix.
+func Missing(snaps []source.Snapshot, _ error) bool {
+	last := Last(snaps)
+	return last != nil && last.Missing && len(last.Entries) == 0
+}
+
+// Failing is the condition that the source reports a failure.
+func Failing(_ []source.Snapshot, err error) bool { return err != nil }
+
+// Healthy is the condition that the source reports no failure.
+func Healthy(_ []source.Snapshot, err error) bool { return err == nil }
+
+// Render shows a snapshot's entries, shortened when large.
+func Render(s *source.Snapshot) string {
+	if s == nil {
+		return "none"
+	}
+	if len(s.Entries) > 20 {
+		return fmt.Sprintf("%d entries at %s", len(s.Entries), s.Revision)
+	}
+	m := make(map[string]string, len(s.Entries))
+	for k, v := range s.Entries {
+		m[k] = string(v)
+	}
+	return fmt.Sprintf("%v at %s", m, s.Revision)
+}
+
+// Follow runs src.Follow(prefix) until the test ends, then checks that it
+// returns context.Canceled promptly, and returns the Recorder it publishes
+// to.
+func Follow(tb testing.TB, src source.Source, prefix string) *Recorder {
+	tb.Helper()
+	rec := NewRecorder()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- src.Follow(ctx, prefix, rec) }()
+	tb.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-done:
+			if !errors.Is(err, context.Canceled) {
+				tb.Errorf("Follow returned %v; want context.Canceled", err)
+			}
+		case <-time.After(Timeout):
+			tb.Errorf("Follow did not return after cancel")
+		}
+	})
+	return rec
+}
