@@ -18,6 +18,7 @@ type Error struct {
 	Msg string
 }
 
+// Error renders the problem as "file:line: key: message".
 func (e *Error) Error() string {
 	var b strings.Builder
 	b.WriteString(e.File)
@@ -37,6 +38,7 @@ func (e *Error) Error() string {
 // Load returns one when the file is invalid.
 type ErrorList []*Error
 
+// Error renders every problem, one per line.
 func (l ErrorList) Error() string {
 	lines := make([]string, len(l))
 	for i, e := range l {

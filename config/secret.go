@@ -17,6 +17,7 @@ func (s Secret) Reveal() string { return s.value }
 // IsZero reports whether the secret is empty.
 func (s Secret) IsZero() bool { return s.value == "" }
 
+// String returns "[redacted]", or "" for an empty secret.
 func (s Secret) String() string {
 	if s.value == "" {
 		return ""

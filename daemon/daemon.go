@@ -233,6 +233,7 @@ type OnceError struct {
 	Failed map[string]string
 }
 
+// Error lists the mounts not projected and why, one per line.
 func (e *OnceError) Error() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%d mount(s) not projected:", len(e.Failed))

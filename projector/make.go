@@ -60,10 +60,12 @@ type KeyError struct {
 	Err    error
 }
 
+// Error names the source, the key and the mount, then the reason.
 func (e *KeyError) Error() string {
 	return fmt.Sprintf("source %q key %q in mount %q: %v", e.Source, e.Key, e.Mount, e.Err)
 }
 
+// Unwrap returns the reason, such as an error wrapping ErrInvalidPath.
 func (e *KeyError) Unwrap() error { return e.Err }
 
 // MakePayload builds the payload of mount from its projections with the

@@ -24,6 +24,7 @@ const (
 	Verify
 )
 
+// String returns the kind's name as logged: "setup", "remount", ...
 func (k OpKind) String() string {
 	switch k {
 	case Setup:
@@ -44,6 +45,7 @@ type Op struct {
 	Mount string
 }
 
+// String returns "kind mount", such as "setup app".
 func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 
 // Plan decides what makes the actual state match the desired state at time

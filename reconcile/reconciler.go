@@ -292,6 +292,7 @@ type HeldBackError struct {
 	Reason string
 }
 
+// Error names the mount and says why its update was held back.
 func (e *HeldBackError) Error() string {
 	return fmt.Sprintf("mount %q: update held back: %s", e.Mount, e.Reason)
 }
