@@ -20,7 +20,7 @@ const (
 	MaxNameLength = 255
 )
 
-// ErrInvalidPath is wrapped by every error of ValidatePath and CleanPath.
+// ErrInvalidPath is wrapped by every error of CleanPath.
 var ErrInvalidPath = errors.New("invalid path")
 
 // CleanPath validates p with the kubelet's rules and returns it cleaned
@@ -44,13 +44,6 @@ func CleanPath(p string) (string, error) {
 		return "", fmt.Errorf("%w %q: must not start with '..'", ErrInvalidPath, p)
 	}
 	return clean, nil
-}
-
-// ValidatePath reports whether p is an acceptable payload path; see CleanPath
-// for the rules. The error wraps ErrInvalidPath.
-func ValidatePath(p string) error {
-	_, err := CleanPath(p)
-	return err
 }
 
 // validateRaw applies the kubelet's checks to the path as given, before

@@ -129,9 +129,6 @@ func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
 	return &AtomicWriter{dir: dir, root: root, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
 }
 
-// Dir returns the mount directory.
-func (w *AtomicWriter) Dir() string { return w.dir }
-
 // SetCheck replaces WriterOptions.Check for the following writes.
 func (w *AtomicWriter) SetCheck(check func(versionDir string) error) { w.opts.Check = check }
 

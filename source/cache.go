@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
-	"time"
 )
 
 // Feed is the shared state of one (source, prefix): the last snapshot and
@@ -20,7 +19,6 @@ type Feed struct {
 	mu       sync.Mutex
 	snapshot *Snapshot
 	err      error
-	since    time.Time // when err was first reported
 	version  uint64
 
 	// Owned by the cache, under cache.mu.
@@ -36,23 +34,15 @@ type FeedState struct {
 	// Err is the last failure to read the source, or nil while it is
 	// reachable. The snapshot stays in force meanwhile.
 	Err error
-	// Since is when Err was first reported.
-	Since time.Time
 	// Version increases with every change of Snapshot or Err.
 	Version uint64
 }
-
-// Source returns the feed's source name.
-func (f *Feed) Source() string { return f.source }
-
-// Prefix returns the feed's prefix.
-func (f *Feed) Prefix() string { return f.prefix }
 
 // State returns the feed's current state.
 func (f *Feed) State() FeedState {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return FeedState{Snapshot: f.snapshot, Err: f.err, Since: f.since, Version: f.version}
+	return FeedState{Snapshot: f.snapshot, Err: f.err, Version: f.version}
 }
 
 // Publish stores s as the feed's snapshot, clears any failure and wakes the
@@ -73,9 +63,6 @@ func (f *Feed) Status(err error) {
 	if (err == nil) == (f.err == nil) && (err == nil || err.Error() == f.err.Error()) {
 		f.mu.Unlock()
 		return
-	}
-	if f.err == nil {
-		f.since = time.Now()
 	}
 	f.err = err
 	f.version++

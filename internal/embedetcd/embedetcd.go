@@ -56,9 +56,6 @@ func Start(dir string, opts Options) (*Server, error) {
 // Endpoint returns the client URL, such as "http://127.0.0.1:41234".
 func (s *Server) Endpoint() string { return s.clientURL.String() }
 
-// Running reports whether the member serves.
-func (s *Server) Running() bool { return s.etcd != nil }
-
 // Restart starts the member again after Stop, with the same data and ports.
 func (s *Server) Restart() error {
 	if s.etcd != nil {
