@@ -17,7 +17,6 @@ import (
 
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/etcdtest"
-	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/internal/roottest"
 )
 
@@ -84,12 +83,7 @@ func TestTransactionIsOneSwitch(t *testing.T) {
 // ErrCompacted, and kvmount must re-read the prefix and find the deletion.
 func TestCompactionRecovery(t *testing.T) {
 	h := newHarness(t)
-	proxy, err := faultproxy.Start(strings.TrimPrefix(h.etcd.Endpoint(), "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Close()
-	h.endpoint = "http://" + proxy.Addr()
+	proxy := h.proxyEtcd()
 	h.put("/c/keep", "1", "/c/gone", "2")
 	h.writeConfig(h.mount("c", "/c/"))
 	h.start()

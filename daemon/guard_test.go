@@ -13,7 +13,6 @@ import (
 
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/etcdtest"
-	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/internal/roottest"
 )
 
@@ -219,11 +218,7 @@ func TestSizeLimits(t *testing.T) {
 // off the mount keeps etcd's part and follows the HTTP one.
 func TestProjectedMountWithOneSourceDown(t *testing.T) {
 	h := newHarness(t)
-	proxy, err := faultproxy.Start(strings.TrimPrefix(h.etcd.Endpoint(), "http://"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer proxy.Close()
+	proxy := h.proxyEtcd()
 	web := newHTTPBackend(t)
 	web.put(t, "flags/dark-mode", "off")
 	h.put("/p/app.conf", "listen 80")

@@ -19,6 +19,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
@@ -323,4 +324,17 @@ func readVersions(t *testing.T, dir string, files []string, check func(version s
 		wg.Wait()
 		return reads.Load()
 	}
+}
+
+// proxyEtcd puts a fault proxy between kvmount and the harness's etcd, so
+// that a test can cut the network, and points the etcd source at it.
+func (h *harness) proxyEtcd() *faultproxy.Proxy {
+	h.t.Helper()
+	proxy, err := faultproxy.Start(strings.TrimPrefix(h.etcd.Endpoint(), "http://"))
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	h.t.Cleanup(proxy.Close)
+	h.endpoint = "http://" + proxy.Addr()
+	return proxy
 }
