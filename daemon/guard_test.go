@@ -26,8 +26,8 @@ func TestTmpfsMedium(t *testing.T) {
 	h.writeConfig(tmpfs)
 	h.start()
 	version := h.waitContent(dir, map[string]string{"db-password": "hunter2", "tls/key.pem": "KEY"})
-	if ok, err := fsutil.IsTmpfsMount(dir); !ok || err != nil {
-		t.Fatalf("IsTmpfsMount = %v, %v; want a tmpfs", ok, err)
+	if st, err := fsutil.MountStateOf(dir); st != fsutil.OwnTmpfs || err != nil {
+		t.Fatalf("MountStateOf = %v, %v; want kvmount's tmpfs", st, err)
 	}
 	var sfs unix.Statfs_t
 	if err := unix.Statfs(dir, &sfs); err != nil {

@@ -1,7 +1,14 @@
 // Package fsutil holds the few file-system operations kvmount performs on
-// mount directories outside the atomic writer: creating a mount directory
-// with its owner, checking what a path is, and mounting, recognising and
-// unmounting the tmpfs of a mount whose medium is tmpfs.
+// mount directories outside the atomic writer: opening a mount directory
+// without following a symlink, creating it with its mode and owner, and
+// mounting, recognising and unmounting the tmpfs of a mount whose medium is
+// tmpfs.
+//
+// A mount directory is always reached through a handle opened relative to
+// its parent with O_NOFOLLOW|O_DIRECTORY: whoever can write the parent can
+// replace the mount directory with a symlink, and kvmount must then refuse
+// it rather than change, mount over or remove what the symlink points at.
+// The parent's own path is resolved as usual (/var/run → /run is common).
 package fsutil
 
 import (
@@ -14,8 +21,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ErrNotDir is returned by DirExists for a path that exists but is not a
-// directory (a symlink to one included: a mount directory must be real).
+// ErrNotDir is returned for a mount directory path that exists but is not a
+// directory — a symlink to one included: a mount directory must be real.
 var ErrNotDir = errors.New("not a directory")
 
 // DirExists reports whether dir exists as a real directory, without
@@ -34,104 +41,107 @@ func DirExists(dir string) (bool, error) {
 	return true, nil
 }
 
-// MakeDir creates dir and any missing parents with mode (before umask) and
-// gives dir itself — not the parents — the owner uid:gid; -1 keeps
-// kvmount's own user or group.
-func MakeDir(dir string, mode fs.FileMode, uid, gid int) error {
-	if err := os.MkdirAll(dir, mode); err != nil {
+// OpenDir opens the directory dir for reading without following a symlink
+// at its last element: the parent is opened first, then dir relative to it
+// with O_NOFOLLOW|O_DIRECTORY. A symlink or anything else that is not a
+// directory at dir yields an error wrapping ErrNotDir; a missing dir one
+// wrapping fs.ErrNotExist. The caller closes the returned handle.
+func OpenDir(dir string) (*os.File, error) {
+	dir = filepath.Clean(dir)
+	if !filepath.IsAbs(dir) || dir == "/" {
+		return nil, fmt.Errorf("%s: a mount directory must be absolute and not /", dir)
+	}
+	parent, err := unix.Open(filepath.Dir(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: filepath.Dir(dir), Err: err}
+	}
+	defer unix.Close(parent)
+	fd, err := unix.Openat(parent, filepath.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	switch {
+	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
+		// O_NOFOLLOW on a symlink gives ELOOP; with O_DIRECTORY some
+		// kernels say ENOTDIR.
+		var st unix.Stat_t
+		kind := "not a directory"
+		if unix.Fstatat(parent, filepath.Base(dir), &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
+			kind = "a symlink"
+		}
+		return nil, fmt.Errorf("%s: %w: it is %s, and kvmount never follows a symlink at a mount directory", dir, ErrNotDir, kind)
+	case err != nil:
+		return nil, &fs.PathError{Op: "open", Path: dir, Err: err}
+	}
+	return os.NewFile(uintptr(fd), dir), nil
+}
+
+// ProcPath returns the /proc/self/fd path of the open file f: a path that
+// names exactly the file f holds, for system calls that take only a path
+// (mount(2)) or for os.OpenRoot. It is valid while f stays open.
+func ProcPath(f *os.File) string {
+	return fmt.Sprintf("/proc/self/fd/%d", f.Fd())
+}
+
+// SetDirAttrs gives the open directory d the permission mode and the owner
+// uid:gid (-1 keeps the user or group), with fchmod(2) and fchown(2), so
+// that a directory that was swapped for a symlink is never changed through
+// it.
+func SetDirAttrs(d *os.File, mode fs.FileMode, uid, gid int) error {
+	if err := d.Chmod(mode.Perm()); err != nil {
 		return err
 	}
 	if uid >= 0 || gid >= 0 {
-		if err := os.Lchown(dir, uid, gid); err != nil {
+		if err := d.Chown(uid, gid); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// tmpfsFlags are the mount flags of every tmpfs kvmount mounts: nothing on
-// it can be a set-uid program, a device or an executable.
-const tmpfsFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
+// parentDirMode is the permission of the parents MakeDir creates: others
+// must be able to reach the mount below them, whatever its own dir_mode.
+const parentDirMode = 0o755
 
-// TmpfsOptions describe a tmpfs mount.
-type TmpfsOptions struct {
-	// Size is the size limit in bytes (tmpfs rounds it up to whole pages).
-	Size int64
-	// Mode is the permission of the tmpfs's root directory.
-	Mode fs.FileMode
-	// UID and GID own the root directory; -1 means 0 (root), tmpfs's
-	// default.
-	UID, GID int
-}
-
-func (o TmpfsOptions) data() string {
-	data := fmt.Sprintf("size=%d,mode=%04o", o.Size, o.Mode.Perm())
-	if o.UID >= 0 {
-		data += fmt.Sprintf(",uid=%d", o.UID)
-	}
-	if o.GID >= 0 {
-		data += fmt.Sprintf(",gid=%d", o.GID)
-	}
-	return data
-}
-
-// IsTmpfsMount reports whether dir is the root of a tmpfs mount: a mount
-// point (its device differs from its parent's) whose file system type is
-// tmpfs. statfs alone is not enough: any directory under /run is on a
-// tmpfs without being a mount point (kubelet, emptyDir medium Memory).
-func IsTmpfsMount(dir string) (bool, error) {
-	var st, parent unix.Stat_t
-	if err := unix.Lstat(dir, &st); err != nil {
-		return false, &fs.PathError{Op: "lstat", Path: dir, Err: err}
-	}
-	if err := unix.Lstat(filepath.Dir(dir), &parent); err != nil {
-		return false, &fs.PathError{Op: "lstat", Path: filepath.Dir(dir), Err: err}
-	}
-	if st.Dev == parent.Dev {
-		return false, nil
-	}
-	var sfs unix.Statfs_t
-	if err := unix.Statfs(dir, &sfs); err != nil {
-		return false, &fs.PathError{Op: "statfs", Path: dir, Err: err}
-	}
-	return sfs.Type == unix.TMPFS_MAGIC, nil
-}
-
-// MountTmpfs mounts a tmpfs at dir with the options, nosuid, nodev and
-// noexec. If dir already is a tmpfs mount it is remounted with the options
-// instead — its content stays, and mounts are never stacked.
-func MountTmpfs(dir string, o TmpfsOptions) error {
-	mounted, err := IsTmpfsMount(dir)
-	if err != nil {
+// MakeDir creates dir and any missing parents. Missing parents get mode
+// 0755 and kvmount's own owner; dir itself gets mode and the owner uid:gid
+// (-1 keeps kvmount's user or group). Every mode is set explicitly after
+// mkdir(2), so the process umask never narrows it. The parent of each
+// directory created is fsynced, so that the new entry survives a crash. An
+// existing dir is left as it is; a symlink at dir is refused with ErrNotDir.
+func MakeDir(dir string, mode fs.FileMode, uid, gid int) error {
+	dir = filepath.Clean(dir)
+	exists, err := DirExists(dir)
+	if err != nil || exists {
 		return err
 	}
-	flags := uintptr(tmpfsFlags)
-	if mounted {
-		flags |= unix.MS_REMOUNT
-	}
-	if err := unix.Mount("tmpfs", dir, "tmpfs", flags, o.data()); err != nil {
-		return &fs.PathError{Op: "mount tmpfs", Path: dir, Err: err}
-	}
-	return nil
-}
-
-// UnmountTmpfs unmounts the tmpfs at dir, if dir is one. When the mount is
-// busy (a process has a file open on it) it is detached instead (MNT_DETACH):
-// it disappears from dir now and is freed when the last user closes it.
-func UnmountTmpfs(dir string) error {
-	mounted, err := IsTmpfsMount(dir)
-	if err != nil || !mounted {
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil
+	parent := filepath.Dir(dir)
+	if parent != dir {
+		if err := MakeDir(parent, parentDirMode, -1, -1); err != nil {
+			return err
 		}
+	}
+	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
 		return err
 	}
-	err = unix.Unmount(dir, 0)
-	if errors.Is(err, unix.EBUSY) {
-		err = unix.Unmount(dir, unix.MNT_DETACH)
-	}
+	d, err := OpenDir(dir)
 	if err != nil {
-		return &fs.PathError{Op: "unmount", Path: dir, Err: err}
+		return err
+	}
+	defer d.Close()
+	if err := SetDirAttrs(d, mode, uid, gid); err != nil {
+		return err
+	}
+	return SyncDir(parent)
+}
+
+// SyncDir fsyncs the directory dir, making the entries created or removed
+// in it durable.
+func SyncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", dir, err)
 	}
 	return nil
 }

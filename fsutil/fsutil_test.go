@@ -61,3 +61,24 @@ func TestMakeDir(t *testing.T) {
 		t.Errorf("MakeDir on an existing directory: %v", err)
 	}
 }
+
+// TestMakeDirModes: parents get 0755 and the mount directory its own mode,
+// whatever the umask.
+func TestMakeDirModes(t *testing.T) {
+	old := syscall.Umask(0o077)
+	defer syscall.Umask(old)
+	base := t.TempDir()
+	dir := filepath.Join(base, "p", "q", "mnt")
+	if err := MakeDir(dir, 0o750, -1, -1); err != nil {
+		t.Fatal(err)
+	}
+	for p, want := range map[string]os.FileMode{filepath.Join(base, "p"): 0o755, filepath.Join(base, "p", "q"): 0o755, dir: 0o750} {
+		info, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Mode().Perm() != want {
+			t.Errorf("%s: mode %v; want %v", p, info.Mode().Perm(), want)
+		}
+	}
+}

@@ -1,8 +1,11 @@
 package fsutil
 
 import (
+	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -18,14 +21,14 @@ func TestTmpfsMountRemountUnmount(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-	if ok, err := IsTmpfsMount(dir); ok || err != nil {
-		t.Fatalf("IsTmpfsMount(plain dir) = %v, %v", ok, err)
+	if st, err := MountStateOf(dir); st != NotMounted || err != nil {
+		t.Fatalf("MountStateOf(plain dir) = %v, %v", st, err)
 	}
 	if err := MountTmpfs(dir, TmpfsOptions{Size: 1 << 20, Mode: 0o750, UID: 1234, GID: 5678}); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := IsTmpfsMount(dir); !ok || err != nil {
-		t.Fatalf("IsTmpfsMount(tmpfs) = %v, %v", ok, err)
+	if st, err := MountStateOf(dir); st != OwnTmpfs || err != nil {
+		t.Fatalf("MountStateOf(tmpfs) = %v, %v", st, err)
 	}
 	var sfs unix.Statfs_t
 	if err := unix.Statfs(dir, &sfs); err != nil {
@@ -65,7 +68,7 @@ func TestTmpfsMountRemountUnmount(t *testing.T) {
 	if err := UnmountTmpfs(dir); err != nil {
 		t.Fatal(err)
 	}
-	if ok, _ := IsTmpfsMount(dir); ok || roottest.MountsAt(t, dir) != 0 {
+	if st, _ := MountStateOf(dir); st != NotMounted || roottest.MountsAt(t, dir) != 0 {
 		t.Errorf("still mounted after UnmountTmpfs")
 	}
 	if _, err := os.Stat(filepath.Join(dir, "kept")); !os.IsNotExist(err) {
@@ -92,10 +95,127 @@ func TestDirectoryOnTmpfsIsNotATmpfsMount(t *testing.T) {
 	if err := os.Mkdir(inner, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := IsTmpfsMount(inner); ok || err != nil {
-		t.Errorf("IsTmpfsMount(dir on a tmpfs) = %v, %v; want false", ok, err)
+	if st, err := MountStateOf(inner); st != NotMounted || err != nil {
+		t.Errorf("MountStateOf(dir on a tmpfs) = %v, %v; want NotMounted", st, err)
 	}
 	if err := UnmountTmpfs(base); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestForeignTmpfsIsLeftAlone: a tmpfs that kvmount did not mount is never
+// remounted or unmounted — its size, options and files stay as they were.
+func TestForeignTmpfsIsLeftAlone(t *testing.T) {
+	roottest.Require(t)
+	dir := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	roottest.UnmountAtEnd(t, dir)
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m,mode=0711"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "theirs"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := MountStateOf(dir); st != ForeignMount || err != nil {
+		t.Fatalf("MountStateOf(foreign tmpfs) = %v, %v; want ForeignMount", st, err)
+	}
+	if err := MountTmpfs(dir, TmpfsOptions{Size: 4 << 20, Mode: 0o755, UID: -1, GID: -1}); !errors.Is(err, ErrForeignMount) {
+		t.Errorf("MountTmpfs over a foreign tmpfs = %v; want ErrForeignMount", err)
+	}
+	if err := UnmountTmpfs(dir); !errors.Is(err, ErrForeignMount) {
+		t.Errorf("UnmountTmpfs of a foreign tmpfs = %v; want ErrForeignMount", err)
+	}
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	info, _ := os.Stat(dir)
+	if size := int64(sfs.Blocks) * sfs.Bsize; size != 1<<20 || info.Mode().Perm() != 0o711 || roottest.MountsAt(t, dir) != 1 {
+		t.Errorf("foreign tmpfs changed: size %d, mode %v, %d mounts; want 1 MiB, 0711, 1", size, info.Mode().Perm(), roottest.MountsAt(t, dir))
+	}
+	if _, err := os.Stat(filepath.Join(dir, "theirs")); err != nil {
+		t.Errorf("foreign file: %v", err)
+	}
+}
+
+// TestSymlinkedDirIsRefused: a mount directory replaced by a symlink is
+// refused everywhere; nothing is mounted on, changed in or unmounted from
+// the directory it points at.
+func TestSymlinkedDirIsRefused(t *testing.T) {
+	roottest.Require(t)
+	base := t.TempDir()
+	target := filepath.Join(base, "target")
+	link := filepath.Join(base, "mnt")
+	if err := os.Mkdir(target, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	roottest.UnmountAtEnd(t, target)
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenDir(link); !errors.Is(err, ErrNotDir) || !strings.Contains(err.Error(), "symlink") {
+		t.Errorf("OpenDir(symlink) = %v; want ErrNotDir naming a symlink", err)
+	}
+	if err := MountTmpfs(link, TmpfsOptions{Size: 1 << 20, Mode: 0o777, UID: -1, GID: -1}); !errors.Is(err, ErrNotDir) {
+		t.Errorf("MountTmpfs(symlink) = %v; want ErrNotDir", err)
+	}
+	if err := MakeDir(link, 0o777, 1234, 1234); !errors.Is(err, ErrNotDir) {
+		t.Errorf("MakeDir(symlink) = %v; want ErrNotDir", err)
+	}
+	if n := roottest.MountsAt(t, target); n != 0 {
+		t.Errorf("%d mounts at the symlink's target", n)
+	}
+	// Mounted by hand through the real path, it is still refused through
+	// the link.
+	if err := MountTmpfs(target, TmpfsOptions{Size: 1 << 20, Mode: 0o700, UID: -1, GID: -1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := UnmountTmpfs(link); !errors.Is(err, ErrNotDir) {
+		t.Errorf("UnmountTmpfs(symlink) = %v; want ErrNotDir", err)
+	}
+	if n := roottest.MountsAt(t, target); n != 1 {
+		t.Errorf("%d mounts at the target after UnmountTmpfs(link); want 1", n)
+	}
+	info, _ := os.Stat(target)
+	if info.Mode().Perm() != 0o700 {
+		t.Errorf("target mode %v; want 0700", info.Mode().Perm())
+	}
+}
+
+// TestTmpfsNoswap: kvmount's tmpfs is mounted noswap where the kernel has
+// it (Linux ≥ 6.4), and a remount keeps it.
+func TestTmpfsNoswap(t *testing.T) {
+	roottest.Require(t)
+	var uts unix.Utsname
+	_ = unix.Uname(&uts)
+	var major, minor int
+	fmt.Sscanf(unix.ByteSliceToString(uts.Release[:]), "%d.%d", &major, &minor)
+	dir := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	roottest.UnmountAtEnd(t, dir)
+	for range 2 { // mount, then remount
+		if err := MountTmpfs(dir, TmpfsOptions{Size: 1 << 20, Mode: 0o700, UID: -1, GID: -1}); err != nil {
+			t.Fatal(err)
+		}
+		d, err := OpenDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, info, err := mountAt(d)
+		d.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := major > 6 || major == 6 && minor >= 4
+		if got := hasOption(info.VFSOptions, "noswap"); got != want {
+			t.Errorf("kernel %d.%d: noswap %v (options %q); want %v", major, minor, got, info.VFSOptions, want)
+		}
+		if info.Source != TmpfsSource {
+			t.Errorf("mount source %q; want %q", info.Source, TmpfsSource)
+		}
 	}
 }

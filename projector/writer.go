@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // Names of the atomic writer's layout inside a mount directory, the kubelet's
@@ -40,7 +42,15 @@ var (
 	// ErrCheckFailed wraps the error of a Check that refused a new
 	// version; the current version stays.
 	ErrCheckFailed = errors.New("check of the new version failed")
+	// ErrVersionVanished means the new version directory disappeared
+	// before or during the switch — another process changed the mount
+	// directory. ..data is never left naming a missing version.
+	ErrVersionVanished = errors.New("the new version directory vanished")
 )
+
+// DefaultGrace is how long the previous version stays after a switch by
+// default (WriterOptions.Grace).
+const DefaultGrace = 5 * time.Second
 
 // WriterOptions configure an AtomicWriter.
 type WriterOptions struct {
@@ -59,7 +69,25 @@ type WriterOptions struct {
 	// keeps the current version: Write removes the new one and returns the
 	// error wrapped with ErrCheckFailed.
 	Check func(versionDir string) error
+	// Grace is how long a replaced version directory stays after a
+	// switch, so that a reader that resolved ..data just before it can
+	// still open its files (git-sync keeps its old worktree likewise). A
+	// replaced version is removed by a later Write or by Collect once
+	// Grace has passed — but at most MaxRetired replaced versions are
+	// kept: under back-to-back writes the oldest goes first, whatever its
+	// age. Zero means DefaultGrace.
+	Grace time.Duration
 }
+
+// MaxRetired is how many replaced versions an AtomicWriter keeps at most
+// for readers during their grace period; beyond it the oldest goes first.
+// A reader descheduled in the middle of a path lookup can miss several
+// back-to-back writes (measured: two kept versions still let 2 reads in
+// 200,000 fail), so the bound is time (Grace) far more than count. Before
+// building a version, replaced ones are also removed, oldest first, while
+// the file system lacks room for the new files: a tmpfs sized for three
+// versions never fails a write because of them.
+const MaxRetired = 16
 
 // AtomicWriter writes payloads into one mount directory so that readers move
 // from one complete version to the next in a single rename, the kubelet's
@@ -84,8 +112,16 @@ type WriterOptions struct {
 //     crash in between leaves names of the current version invisible.)
 //  5. Point ..data_tmp at the new version and rename it over ..data: the one
 //     atomic switch. fsync the mount directory.
-//  6. Remove the visible symlinks no longer in the payload, then the
-//     previous version directory.
+//  6. Remove the visible symlinks no longer in the payload. The previous
+//     version directory stays for WriterOptions.Grace, so that a reader that
+//     resolved ..data a moment before the switch still finds its files
+//     (the kubelet removes it at once); the version before it, if still
+//     there, is removed now.
+//
+// The switch never points ..data at a version directory that does not
+// exist: the new directory is checked to be the one built just before and
+// just after the rename, and a vanished one is an ErrVersionVanished with
+// the previous version restored.
 //
 // Every operation goes through an os.Root opened on the mount directory, or
 // through a directory handle opened from it without following symlinks with
@@ -101,12 +137,25 @@ type AtomicWriter struct {
 	// its content is unknown (after drift), which makes the next Write
 	// rewrite every file.
 	current *version
+	// retired are the replaced versions kept for readers, oldest first,
+	// each until its retiredAt + Grace.
+	retired []retiredVersion
+	// rebuildDirs is set when the current version's directories do not
+	// have the configured mode or owner: the next Write builds a new
+	// version even if the payload is unchanged.
+	rebuildDirs bool
 	// visible holds the first path elements known to have their symlink,
 	// or nil when unknown (after Adopt or drift), which makes the next
 	// write check every entry of the mount directory.
 	visible map[string]bool
 	uid     int
 	gid     int
+}
+
+// retiredVersion is a replaced version and when it was replaced.
+type retiredVersion struct {
+	*version
+	at time.Time
 }
 
 // version is one version directory and the payload it holds.
@@ -118,13 +167,26 @@ type version struct {
 // OpenAtomicWriter returns a writer for the existing directory dir. It reads
 // nothing yet; Adopt or the first Write inspects the directory. The writer
 // holds dir open until Close.
+//
+// dir is opened without following a symlink at its last element
+// (fsutil.OpenDir): a mount directory replaced by a symlink is refused with
+// an error wrapping fsutil.ErrNotDir, and nothing behind the symlink is
+// read or touched.
 func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
-	root, err := os.OpenRoot(dir)
+	d, err := fsutil.OpenDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	defer d.Close()
+	root, err := os.OpenRoot(fsutil.ProcPath(d))
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
 	if opts.DirMode == 0 {
 		opts.DirMode = 0o755
+	}
+	if opts.Grace <= 0 {
+		opts.Grace = DefaultGrace
 	}
 	return &AtomicWriter{dir: dir, root: root, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
 }
@@ -166,22 +228,8 @@ func (w *AtomicWriter) Adopt() (Payload, error) {
 	}
 	var foreign []string
 	for _, e := range entries {
-		name := e.Name()
-		switch {
-		case name == DataDirName || name == dataTmpName:
-			if e.Type()&fs.ModeSymlink == 0 {
-				foreign = append(foreign, name)
-			}
-		case isVersionName(name):
-			if !e.IsDir() {
-				foreign = append(foreign, name)
-			}
-		case strings.HasPrefix(name, ".."):
-			foreign = append(foreign, name)
-		default:
-			if !w.isVisibleLink(name) {
-				foreign = append(foreign, name)
-			}
+		if !w.isWritersEntry(e) {
+			foreign = append(foreign, e.Name())
 		}
 	}
 	if len(foreign) > 0 {
@@ -198,7 +246,7 @@ func (w *AtomicWriter) Adopt() (Payload, error) {
 		return nil, err
 	}
 	w.adopted = true
-	w.current = nil
+	w.current, w.retired = nil, nil
 	w.visible = nil
 	if current == "" {
 		return nil, nil
@@ -210,7 +258,77 @@ func (w *AtomicWriter) Adopt() (Payload, error) {
 		return nil, nil
 	}
 	w.current = &version{name: current, payload: payload}
+	w.rebuildDirs = !w.dirsMatch(current)
 	return payload, nil
+}
+
+// RemoveStrays removes every entry of the mount directory that the atomic
+// writer would not have made — a file added by hand, a visible name
+// replaced by a regular file — and returns their names, sorted. Only for a
+// mount directory kvmount owns: there, such entries are drift. Entries are
+// removed through the writer's os.Root, so a planted symlink is removed
+// itself, never followed.
+func (w *AtomicWriter) RemoveStrays() ([]string, error) {
+	entries, err := w.readDir(".")
+	if err != nil {
+		return nil, err
+	}
+	var removed []string
+	for _, e := range entries {
+		if name := e.Name(); !w.isWritersEntry(e) {
+			if err := w.root.RemoveAll(name); err != nil {
+				return removed, fmt.Errorf("atomic writer: remove stray entry: %w", err)
+			}
+			removed = append(removed, name)
+		}
+	}
+	if len(removed) > 0 {
+		w.visible = nil
+	}
+	return removed, nil
+}
+
+// isWritersEntry reports whether the entry e of the mount directory has a
+// name and type the atomic writer makes.
+func (w *AtomicWriter) isWritersEntry(e fs.DirEntry) bool {
+	name := e.Name()
+	switch {
+	case name == DataDirName || name == dataTmpName:
+		return e.Type()&fs.ModeSymlink != 0
+	case isVersionName(name):
+		return e.IsDir()
+	case strings.HasPrefix(name, ".."):
+		return false
+	}
+	return w.isVisibleLink(name)
+}
+
+// dirsMatch reports whether the version directory name and every
+// directory inside it have the writer's mode and owner.
+func (w *AtomicWriter) dirsMatch(name string) bool {
+	match := true
+	_ = fs.WalkDir(w.root.FS(), name, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			match = false
+			return fs.SkipAll
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		info, err := w.root.Lstat(p)
+		if err != nil {
+			match = false
+			return fs.SkipAll
+		}
+		st, ok := info.Sys().(*syscall.Stat_t)
+		if info.Mode().Perm() != w.opts.DirMode.Perm() || !ok ||
+			w.opts.DirUID >= 0 && int(st.Uid) != w.opts.DirUID || w.opts.DirGID >= 0 && int(st.Gid) != w.opts.DirGID {
+			match = false
+			return fs.SkipAll
+		}
+		return nil
+	})
+	return match
 }
 
 // Write projects payload into the mount directory (see AtomicWriter for the
@@ -230,7 +348,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	var old Payload
 	if w.current != nil {
 		old = w.current.payload
-		if old.Equal(payload) {
+		if old.Equal(payload) && !w.rebuildDirs {
 			if err := w.addVisible(payload); err != nil {
 				return Change{}, err
 			}
@@ -238,9 +356,12 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		}
 	}
 	change := Diff(old, payload)
+	if err := w.makeRoom(payload); err != nil {
+		return Change{}, err
+	}
 	oldDirs := dirHandles{}
 	defer oldDirs.close()
-	name, err := w.buildVersion(payload, oldDirs)
+	name, built, err := w.buildVersion(payload, oldDirs)
 	if err != nil {
 		return Change{}, err
 	}
@@ -256,20 +377,113 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		_ = w.root.RemoveAll(name)
 		return Change{}, err
 	}
-	if err := w.switchTo(name); err != nil {
+	switched, err := w.switchTo(name, built)
+	if !switched {
 		_ = w.root.RemoveAll(name)
 		return Change{}, err
 	}
 	previous := w.current
 	w.current = &version{name: name, payload: payload}
+	w.rebuildDirs = false
+	if err != nil {
+		// Switched, but not durable (fsync failed): the new version is
+		// what readers see, so it stays; the caller retries.
+		w.retire(previous, oldDirs)
+		return change, err
+	}
 	if err := w.removeStaleVisible(payload); err != nil {
 		return change, err
 	}
 	if previous == nil {
 		// Unknown leftovers (after drift or on the first write): scan.
+		w.retired = nil
 		return change, w.removeLeftovers(name)
 	}
-	return change, w.removeVersion(previous, oldDirs)
+	return change, w.retire(previous, oldDirs)
+}
+
+// retire keeps previous as a version readers may still be in, then removes
+// replaced versions whose grace period is over and, beyond MaxRetired, the
+// oldest. dirs holds previous's directories open.
+func (w *AtomicWriter) retire(previous *version, dirs dirHandles) error {
+	now := time.Now()
+	if previous != nil {
+		w.retired = append(w.retired, retiredVersion{version: previous, at: now})
+	}
+	var errs []error
+	for len(w.retired) > 0 && (len(w.retired) > MaxRetired || !now.Before(w.retired[0].at.Add(w.opts.Grace))) {
+		v := w.retired[0]
+		w.retired = w.retired[1:]
+		h := dirHandles{}
+		if v.version == previous {
+			h = dirs
+		}
+		errs = append(errs, w.removeVersion(v.version, h))
+	}
+	return errors.Join(errs...)
+}
+
+// makeRoom removes replaced versions, oldest first, while the file system
+// has fewer free bytes than the files of payload that are not hard-linked
+// from the current version need (rounded up to blocks).
+func (w *AtomicWriter) makeRoom(payload Payload) error {
+	if len(w.retired) == 0 {
+		return nil
+	}
+	d, err := w.root.Open(".")
+	if err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	defer d.Close()
+	var need int64
+	var sfs unix.Statfs_t
+	for len(w.retired) > 0 {
+		if err := unix.Fstatfs(int(d.Fd()), &sfs); err != nil {
+			return fmt.Errorf("atomic writer: statfs %s: %w", w.dir, err)
+		}
+		if need == 0 {
+			bs := max(sfs.Bsize, 1)
+			for p, f := range payload {
+				if w.current != nil {
+					if old, ok := w.current.payload[p]; ok && old.Equal(f) {
+						continue
+					}
+				}
+				need += (int64(len(f.Data)) + bs - 1) / bs * bs
+			}
+		}
+		if int64(sfs.Bavail)*sfs.Bsize >= need {
+			return nil
+		}
+		v := w.retired[0]
+		w.retired = w.retired[1:]
+		if err := w.removeVersion(v.version, dirHandles{}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Collect removes the replaced versions whose grace period
+// (WriterOptions.Grace) has passed at now. It returns when the next one
+// will be due, or the zero time when none is kept.
+func (w *AtomicWriter) Collect(now time.Time) (time.Time, error) {
+	var errs []error
+	for len(w.retired) > 0 && !now.Before(w.retired[0].at.Add(w.opts.Grace)) {
+		v := w.retired[0]
+		w.retired = w.retired[1:]
+		errs = append(errs, w.removeVersion(v.version, dirHandles{}))
+	}
+	return w.CollectDue(), errors.Join(errs...)
+}
+
+// CollectDue returns when Collect will next remove a replaced version, or
+// the zero time when none is kept.
+func (w *AtomicWriter) CollectDue() time.Time {
+	if len(w.retired) == 0 {
+		return time.Time{}
+	}
+	return w.retired[0].at.Add(w.opts.Grace)
 }
 
 // removeVersion removes the version directory v, whose directories dirs
@@ -277,6 +491,18 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 // handle, then the directories, deepest first. Anything left over (a file
 // added by hand) makes it fall back to removing the whole tree by path.
 func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
+	if dirs["."] == nil {
+		// Not held open by the caller: open it now.
+		d, err := w.openVersion(v.name)
+		if err != nil {
+			if errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return w.removeAll(v.name)
+		}
+		dirs["."] = d
+		defer dirs.close()
+	}
 	for _, p := range v.payload.Paths() {
 		d := dirs.open(path.Dir(p))
 		if d == nil {
@@ -295,7 +521,12 @@ func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
 	if clean && w.root.Remove(v.name) == nil {
 		return nil
 	}
-	if err := w.root.RemoveAll(v.name); err != nil {
+	return w.removeAll(v.name)
+}
+
+// removeAll removes the version directory name and everything in it.
+func (w *AtomicWriter) removeAll(name string) error {
+	if err := w.root.RemoveAll(name); err != nil {
 		return fmt.Errorf("atomic writer: remove previous version: %w", err)
 	}
 	return nil
@@ -351,7 +582,7 @@ func (w *AtomicWriter) verify() error {
 	}
 	for _, e := range entries {
 		name := e.Name()
-		if name == DataDirName || name == w.current.name {
+		if name == DataDirName || name == w.current.name || w.isRetired(name) {
 			continue
 		}
 		if !want[name] {
@@ -366,6 +597,16 @@ func (w *AtomicWriter) verify() error {
 		return fmt.Errorf("visible entry %s is missing", name)
 	}
 	return nil
+}
+
+// isRetired reports whether name is a replaced version kept for readers.
+func (w *AtomicWriter) isRetired(name string) bool {
+	for _, v := range w.retired {
+		if v.name == name {
+			return true
+		}
+	}
+	return false
 }
 
 // sameDir checks that the mount directory's path still names the directory
@@ -410,7 +651,7 @@ func (w *AtomicWriter) Teardown() error {
 			errs = append(errs, err)
 		}
 	}
-	w.current = nil
+	w.current, w.retired = nil, nil
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("atomic writer: teardown %s: %w", w.dir, err)
 	}
@@ -428,10 +669,12 @@ func (w *AtomicWriter) Teardown() error {
 // thus costs one system call and no operation can leave the mount: os.Root
 // would resolve the whole path again for every file, which on a 1,000-file
 // mount costs more than the links themselves.
-func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name string, err error) {
+//
+// It also returns the new directory's identity, which the switch checks.
+func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name string, built os.FileInfo, err error) {
 	name, err = w.mkVersionDir()
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	newDirs := dirHandles{}
 	defer func() {
@@ -441,12 +684,12 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		}
 	}()
 	if newDirs["."], err = w.openVersion(name); err != nil {
-		return "", err
+		return "", nil, err
 	}
 	dirNames := slices.Sorted(maps.Keys(directories(payload))) // parents before children
 	for _, dir := range dirNames {
 		if newDirs[dir], err = w.mkdirAt(newDirs[path.Dir(dir)], path.Base(dir)); err != nil {
-			return "", err
+			return "", nil, err
 		}
 	}
 	if w.current != nil {
@@ -465,7 +708,7 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 			}
 		}
 		if err := w.writeFileAt(newDirs[dir], base, f); err != nil {
-			return "", err
+			return "", nil, err
 		}
 	}
 	if w.opts.Sync {
@@ -473,17 +716,20 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		// before the entry that names the directory.
 		for _, dir := range slices.Backward(dirNames) {
 			if err := newDirs[dir].Sync(); err != nil {
-				return "", fmt.Errorf("atomic writer: fsync %s: %w", path.Join(name, dir), err)
+				return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", path.Join(name, dir), err)
 			}
 		}
 		if err := newDirs["."].Sync(); err != nil {
-			return "", fmt.Errorf("atomic writer: fsync %s: %w", name, err)
+			return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", name, err)
 		}
 		if err := w.syncDir("."); err != nil {
-			return "", err
+			return "", nil, err
 		}
 	}
-	return name, nil
+	if built, err = newDirs["."].Stat(); err != nil {
+		return "", nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	return name, built, nil
 }
 
 // dirHandles are open directories of one version, by path relative to the
@@ -622,9 +868,45 @@ func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File) (err error
 	return nil
 }
 
-// switchTo makes name the current version: ..data_tmp is pointed at it and
-// renamed over ..data.
-func (w *AtomicWriter) switchTo(name string) error {
+// switchTo makes name, the directory built, the current version:
+// ..data_tmp is pointed at it and renamed over ..data. It reports whether
+// the switch happened; an error with switched true means the rename took
+// place but fsync of the mount directory failed.
+//
+// Just before the rename, name must still be the directory built: one that
+// vanished (or was replaced) is never switched to. Just after, it is checked
+// again; if it vanished in between, ..data is pointed back at the previous
+// version and ErrVersionVanished returned.
+func (w *AtomicWriter) switchTo(name string, built os.FileInfo) (switched bool, err error) {
+	if err := w.isBuilt(name, built); err != nil {
+		return false, err
+	}
+	if err := w.pointData(name); err != nil {
+		return false, err
+	}
+	if err := w.isBuilt(name, built); err != nil {
+		if w.current != nil {
+			_ = w.pointData(w.current.name)
+		}
+		return false, err
+	}
+	if w.opts.Sync {
+		return true, w.syncDir(".")
+	}
+	return true, nil
+}
+
+// isBuilt checks that name still is the directory built.
+func (w *AtomicWriter) isBuilt(name string, built os.FileInfo) error {
+	info, err := w.root.Lstat(name)
+	if err != nil || !os.SameFile(info, built) {
+		return fmt.Errorf("atomic writer: %s: %w: %s (is another kvmount writing this mount?)", w.dir, ErrVersionVanished, name)
+	}
+	return nil
+}
+
+// pointData points ..data at name through ..data_tmp and a rename.
+func (w *AtomicWriter) pointData(name string) error {
 	if err := w.root.Remove(dataTmpName); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
@@ -637,15 +919,19 @@ func (w *AtomicWriter) switchTo(name string) error {
 			return fmt.Errorf("atomic writer: %w", err)
 		}
 	}
+	if testHookBeforeRename != nil {
+		testHookBeforeRename(w.dir)
+	}
 	if err := w.root.Rename(dataTmpName, DataDirName); err != nil {
 		_ = w.root.Remove(dataTmpName)
 		return fmt.Errorf("atomic writer: %w", err)
 	}
-	if w.opts.Sync {
-		return w.syncDir(".")
-	}
 	return nil
 }
+
+// testHookBeforeRename, when set by a test, runs between creating
+// ..data_tmp and renaming it over ..data.
+var testHookBeforeRename func(dir string)
 
 // addVisible creates a symlink name -> ..data/name for every first path
 // element of payload that lacks one. When the visible entries are known it
@@ -798,11 +1084,14 @@ func (w *AtomicWriter) syncDir(name string) error {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
 	defer d.Close()
-	if err := d.Sync(); err != nil {
+	if err := syncFile(d); err != nil {
 		return fmt.Errorf("atomic writer: fsync %s: %w", name, err)
 	}
 	return nil
 }
+
+// syncFile fsyncs an open directory; a test replaces it to inject errors.
+var syncFile = (*os.File).Sync
 
 // cleanPayload validates every path of payload and returns it with cleaned
 // paths. Two paths that clean to the same one, or a path that is both a file

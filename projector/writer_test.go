@@ -28,7 +28,9 @@ func newWriter(t *testing.T, dir string) *AtomicWriter {
 }
 
 // checkMount asserts that dir holds exactly want in the atomic writer's
-// layout: one version directory behind ..data, no ..data_tmp, one visible
+// layout: the version directory behind ..data and at most MaxRetired
+// replaced versions kept for readers (WriterOptions.Grace), no ..data_tmp,
+// one visible
 // symlink per first path element, and every file readable through it with
 // the right bytes and mode.
 func checkMount(t *testing.T, dir string, want Payload) {
@@ -67,8 +69,8 @@ func checkMount(t *testing.T, dir string, want Payload) {
 	if len(visible) != 0 {
 		t.Errorf("missing visible entries %v", slices.Sorted(maps.Keys(visible)))
 	}
-	if len(versions) != 1 || versions[0] != target {
-		t.Errorf("version directories %v, ..data -> %s; want exactly the one ..data names", versions, target)
+	if len(versions) > MaxRetired+1 || !slices.Contains(versions, target) {
+		t.Errorf("version directories %v, ..data -> %s; want the one ..data names and at most %d replaced", versions, target, MaxRetired)
 	}
 	got := Payload{}
 	root := filepath.Join(dir, target)

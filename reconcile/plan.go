@@ -22,6 +22,9 @@ const (
 	Teardown
 	// Verify compares a projected mount with the disk to find drift.
 	Verify
+	// Collect removes replaced versions whose grace period is over (see
+	// projector.WriterOptions.Grace).
+	Collect
 )
 
 // String returns the kind's name as logged: "setup", "remount", ...
@@ -35,6 +38,8 @@ func (k OpKind) String() string {
 		return "teardown"
 	case Verify:
 		return "verify"
+	case Collect:
+		return "collect"
 	}
 	return fmt.Sprintf("OpKind(%d)", int(k))
 }
@@ -60,6 +65,8 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     and remounted when its generation differs from the one written or the
 //     disk drifted;
 //   - a projected mount due for resync is verified;
+//   - a projected mount whose replaced versions' grace period is over has
+//     them collected; the earliest such time is a retry time too;
 //   - a mount whose last operation failed waits for its backoff, unless its
 //     desired generation changed since;
 //   - a desired mount that is not ready is left as it is, keeping its last
@@ -84,7 +91,10 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 		if asw.InFlight[name] {
 			continue
 		}
-		op, ok := planMount(name, dsw[name], asw.Mounts[name])
+		if a := asw.Mounts[name]; a != nil && now.Before(a.CollectAt) && (retry.IsZero() || a.CollectAt.Before(retry)) {
+			retry = a.CollectAt
+		}
+		op, ok := planMount(name, dsw[name], asw.Mounts[name], now)
 		if !ok || op.Kind == Setup && dirTaken(name, dsw[name].Spec.Dir, asw) {
 			continue
 		}
@@ -109,13 +119,17 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 }
 
 // planMount decides the operation for one mount, if any.
-func planMount(name string, d *DesiredMount, a *ActualMount) (Op, bool) {
+func planMount(name string, d *DesiredMount, a *ActualMount, now time.Time) (Op, bool) {
+	collect := a != nil && !a.CollectAt.IsZero() && !now.Before(a.CollectAt)
 	switch {
 	case a != nil && (d == nil || a.Dir != d.Spec.Dir || a.Medium != d.Spec.Medium):
 		return Op{Kind: Teardown, Mount: name}, true
 	case d == nil || !d.Ready():
 		if a != nil && a.VerifyDue {
 			return Op{Kind: Verify, Mount: name}, true
+		}
+		if collect {
+			return Op{Kind: Collect, Mount: name}, true
 		}
 		return Op{}, false
 	case a == nil:
@@ -124,6 +138,8 @@ func planMount(name string, d *DesiredMount, a *ActualMount) (Op, bool) {
 		return Op{Kind: Remount, Mount: name}, true
 	case a.VerifyDue:
 		return Op{Kind: Verify, Mount: name}, true
+	case collect:
+		return Op{Kind: Collect, Mount: name}, true
 	}
 	return Op{}, false
 }

@@ -97,6 +97,7 @@ type result struct {
 	generation uint64
 	revision   string
 	version    string
+	collectAt  time.Time
 	change     projector.Change
 	drift      error
 	err        error
@@ -227,9 +228,14 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 		res.err = r.teardown(op.Mount, a, rt)
 	case Verify:
 		res.drift, res.err = r.verify(op.Mount, rt)
+	case Collect:
+		if rt.writer != nil {
+			_, res.err = rt.writer.Collect(time.Now())
+		}
 	}
 	if rt.writer != nil {
 		res.version = rt.writer.Version()
+		res.collectAt = rt.writer.CollectDue()
 		res.opened = op.Kind == Setup || op.Kind == Remount
 	}
 	res.duration = time.Since(start)
@@ -359,13 +365,18 @@ func (b *limitedBuffer) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// open prepares the mount directory — creating it, mounting its tmpfs —
-// records the mount as owned and adopts what the directory holds. A
-// directory or tmpfs kvmount is about to create is recorded first, so that a
-// crash in between leaves nothing unowned.
+// open prepares the mount directory — creating it, mounting its tmpfs,
+// giving it the configured mode and owner — records the mount as owned and
+// adopts what the directory holds. A directory or tmpfs kvmount is about to
+// create is recorded first, so that a crash in between leaves nothing
+// unowned. In a directory kvmount already owned, entries it did not make
+// are drift: they are removed and logged. The mount directory is never
+// reached through a symlink (fsutil.OpenDir).
 func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	rec := Record{Dir: spec.Dir, Medium: spec.Medium}
-	if old, ok := r.owned.Get(name); ok && old.Dir == spec.Dir {
+	old, owned := r.owned.Get(name)
+	owned = owned && old.Dir == spec.Dir
+	if owned {
 		rec.CreatedDir = old.CreatedDir
 	}
 	exists, err := fsutil.DirExists(spec.Dir)
@@ -380,19 +391,16 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 		if err := fsutil.MakeDir(spec.Dir, spec.DirMode, spec.UID, spec.GID); err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
 		}
-	case rec.CreatedDir && spec.Medium == config.MediumDisk:
-		// A reload may have changed the directory's mode or owner.
-		if err := fsutil.MakeDir(spec.Dir, spec.DirMode, spec.UID, spec.GID); err != nil {
-			return fmt.Errorf("mount %q: %w", name, err)
-		}
-		if err := os.Chmod(spec.Dir, spec.DirMode); err != nil {
-			return fmt.Errorf("mount %q: %w", name, err)
-		}
 	}
 	if spec.Medium == config.MediumTmpfs {
 		if err := r.mountTmpfs(name, spec, rec); err != nil {
 			return err
 		}
+	}
+	// A reload or restart may have changed the directory's mode or owner;
+	// set them through a handle, never through a symlink.
+	if err := setDirAttrs(spec); err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
 	}
 	w, err := projector.OpenAtomicWriter(spec.Dir, projector.WriterOptions{
 		Sync:    spec.Medium == config.MediumDisk,
@@ -402,6 +410,16 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	if owned {
+		removed, err := w.RemoveStrays()
+		for _, entry := range removed {
+			r.log.Warn("removed an entry kvmount did not write from its mount", "mount", name, "dir", spec.Dir, "entry", entry)
+		}
+		if err != nil {
+			w.Close()
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
 	}
 	if _, err := w.Adopt(); err != nil {
 		w.Close()
@@ -415,15 +433,39 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	return nil
 }
 
+// setDirAttrs gives the mount directory spec's dir_mode and owner.
+func setDirAttrs(spec *config.Mount) error {
+	d, err := fsutil.OpenDir(spec.Dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return fsutil.SetDirAttrs(d, spec.DirMode, spec.UID, spec.GID)
+}
+
+// TmpfsSize returns the size of the tmpfs of a mount whose payload may
+// take sizeLimit bytes: three times sizeLimit — the current version, the
+// version being built (every file changed) and a replaced version kept for
+// readers — plus 1 MiB for the symlinks and directories of the layout.
+// tmpfs counts pages that are used, so the size is a bound, not memory
+// taken.
+func TmpfsSize(sizeLimit int64) int64 {
+	return 3*sizeLimit + 1<<20
+}
+
 // mountTmpfs mounts the mount's tmpfs, or remounts the one a previous run
 // left (applying a new size, mode or owner, keeping the content). It
-// refuses to hide files: a directory that is not yet a tmpfs must be empty.
+// refuses to hide files — a directory that is not yet a tmpfs must be
+// empty — and never touches a file system kvmount did not mount there.
 func (r *Reconciler) mountTmpfs(name string, spec *config.Mount, rec Record) error {
-	mounted, err := fsutil.IsTmpfsMount(spec.Dir)
+	state, err := fsutil.MountStateOf(spec.Dir)
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
-	if !mounted {
+	switch state {
+	case fsutil.ForeignMount:
+		return fmt.Errorf("mount %q: %s: %w; kvmount leaves it alone — unmount it or choose another dir", name, spec.Dir, fsutil.ErrForeignMount)
+	case fsutil.NotMounted:
 		entries, err := os.ReadDir(spec.Dir)
 		if err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
@@ -437,7 +479,7 @@ func (r *Reconciler) mountTmpfs(name string, spec *config.Mount, rec Record) err
 			return err
 		}
 	}
-	err = fsutil.MountTmpfs(spec.Dir, fsutil.TmpfsOptions{Size: spec.SizeLimit, Mode: spec.DirMode, UID: spec.UID, GID: spec.GID})
+	err = fsutil.MountTmpfs(spec.Dir, fsutil.TmpfsOptions{Size: TmpfsSize(spec.SizeLimit), Mode: spec.DirMode, UID: spec.UID, GID: spec.GID})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
@@ -447,13 +489,24 @@ func (r *Reconciler) mountTmpfs(name string, spec *config.Mount, rec Record) err
 // teardown removes what kvmount wrote into the mount's directory, unmounts
 // its tmpfs, removes the directory too if kvmount created it, and forgets
 // the mount.
+//
+// A mount directory that has become a symlink is refused with an error:
+// nothing behind it is read, removed or unmounted.
 func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 	dir := a.Dir
 	rec, known := r.owned.Get(name)
-	if rt.writer == nil {
-		if _, err := os.Lstat(dir); errors.Is(err, fs.ErrNotExist) {
-			return r.owned.Delete(name)
+	exists, err := fsutil.DirExists(dir)
+	if err != nil {
+		return fmt.Errorf("mount %q: refusing to tear down: %w; nothing behind it was touched", name, err)
+	}
+	if !exists {
+		if rt.writer != nil {
+			rt.writer.Close()
+			rt.writer, rt.spec, rt.written = nil, nil, nil
 		}
+		return r.owned.Delete(name)
+	}
+	if rt.writer == nil {
 		w, err := projector.OpenAtomicWriter(dir, projector.WriterOptions{DirUID: -1, DirGID: -1})
 		if err != nil {
 			return fmt.Errorf("mount %q: %w", name, err)
@@ -503,10 +556,13 @@ func (r *Reconciler) apply(res result) {
 	name := res.op.Mount
 	delete(r.asw.InFlight, name)
 	log := r.log.With("mount", name)
+	if a := r.asw.Mounts[name]; a != nil && res.op.Kind != Teardown {
+		a.CollectAt = res.collectAt
+	}
 	if res.opened && r.asw.Mounts[name] == nil {
 		// Prepared (directory created, tmpfs mounted) even if the write
 		// did not happen: the mount is kvmount's to tear down.
-		r.asw.Mounts[name] = &ActualMount{Dir: res.spec.Dir, Medium: res.spec.Medium, Version: res.version}
+		r.asw.Mounts[name] = &ActualMount{Dir: res.spec.Dir, Medium: res.spec.Medium, Version: res.version, CollectAt: res.collectAt}
 	}
 	var held *HeldBackError
 	if errors.As(res.err, &held) {
@@ -541,6 +597,7 @@ func (r *Reconciler) apply(res result) {
 			r.asw.Mounts[name] = a
 		}
 		a.Dir, a.Medium, a.Generation, a.Version, a.RemountRequired = res.spec.Dir, res.spec.Medium, res.generation, res.version, false
+		a.CollectAt = res.collectAt
 		if !res.change.Empty() {
 			log.Info("projected", "revision", res.revision, "version", res.version,
 				"added", len(res.change.Added), "changed", len(res.change.Changed), "removed", len(res.change.Removed),

@@ -59,6 +59,9 @@ type ActualMount struct {
 	// VerifyDue is set by the periodic resync; a verify operation compares
 	// the disk with what was written.
 	VerifyDue bool
+	// CollectAt is when the oldest replaced version kept for readers is
+	// due for removal; zero when none is kept.
+	CollectAt time.Time
 }
 
 // Failure is the backoff state of a mount whose last operation failed.

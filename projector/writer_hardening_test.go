@@ -1,0 +1,366 @@
+package projector
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/internal/roottest"
+)
+
+// versionDirs lists the version directories in dir.
+func versionDirs(t *testing.T, dir string) []string {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range entries {
+		if isVersionName(e.Name()) {
+			out = append(out, e.Name())
+		}
+	}
+	return out
+}
+
+// TestNeverSwitchesToAVanishedVersion: a second writer's Adopt removes the
+// new version as a leftover before the switch (two kvmounts on one state
+// directory did this). Write must fail, and every file must stay.
+func TestNeverSwitchesToAVanishedVersion(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	good := Payload{"app.conf": file("good", 0o644), "d/x": file("x", 0o600)}
+	if _, err := w.Write(good); err != nil {
+		t.Fatal(err)
+	}
+	w.SetCheck(func(string) error {
+		other := newWriter(t, dir)
+		_, err := other.Adopt()
+		return err
+	})
+	_, err := w.Write(Payload{"app.conf": file("new", 0o644), "d/x": file("x", 0o600)})
+	if !errors.Is(err, ErrVersionVanished) {
+		t.Fatalf("Write = %v; want ErrVersionVanished", err)
+	}
+	checkMount(t, dir, good)
+}
+
+// TestVanishedDuringTheSwitchIsRolledBack: the new version removed between
+// ..data_tmp and the rename; ..data is pointed back at the previous version.
+func TestVanishedDuringTheSwitchIsRolledBack(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	good := Payload{"app.conf": file("good", 0o644)}
+	if _, err := w.Write(good); err != nil {
+		t.Fatal(err)
+	}
+	testHookBeforeRename = func(string) {
+		testHookBeforeRename = nil
+		target, _ := os.Readlink(filepath.Join(dir, dataTmpName))
+		if err := os.RemoveAll(filepath.Join(dir, target)); err != nil {
+			t.Error(err)
+		}
+	}
+	t.Cleanup(func() { testHookBeforeRename = nil })
+	if _, err := w.Write(Payload{"app.conf": file("new", 0o644)}); !errors.Is(err, ErrVersionVanished) {
+		t.Fatalf("Write = %v; want ErrVersionVanished", err)
+	}
+	checkMount(t, dir, good)
+	next := Payload{"app.conf": file("next", 0o644)}
+	if _, err := w.Write(next); err != nil {
+		t.Fatal(err)
+	}
+	checkMount(t, dir, next)
+}
+
+// TestFsyncErrorAfterSwitchKeepsTheVersion: an fsync error after the rename
+// must not remove the version ..data now names.
+func TestFsyncErrorAfterSwitchKeepsTheVersion(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	if _, err := w.Write(Payload{"a": file("1", 0o644)}); err != nil {
+		t.Fatal(err)
+	}
+	calls := 0
+	syncFile = func(f *os.File) error {
+		calls++
+		// The build syncs the mount directory once, the switch once more.
+		if calls == 2 {
+			return syscall.EIO
+		}
+		return f.Sync()
+	}
+	t.Cleanup(func() { syncFile = (*os.File).Sync })
+	next := Payload{"a": file("2", 0o644)}
+	if _, err := w.Write(next); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("Write = %v; want the fsync error", err)
+	}
+	checkMount(t, dir, next)
+	if got, _ := os.Readlink(filepath.Join(dir, DataDirName)); got != w.Version() {
+		t.Errorf("..data -> %s; writer's version %s", got, w.Version())
+	}
+}
+
+// TestReplacedVersionsKeptForGrace: replaced versions stay for their grace
+// period, are removed by Collect once it is over, and never number more
+// than MaxRetired.
+func TestReplacedVersionsKeptForGrace(t *testing.T) {
+	dir := t.TempDir()
+	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	var names []string
+	write := func(i int) {
+		t.Helper()
+		if _, err := w.Write(Payload{"a": file(fmt.Sprint(i), 0o644)}); err != nil {
+			t.Fatal(err)
+		}
+		names = append(names, w.Version())
+	}
+	for i := range 3 {
+		write(i)
+	}
+	if got, want := versionDirs(t, dir), slices.Sorted(slices.Values(names)); !slices.Equal(got, want) {
+		t.Errorf("after 3 writes: versions %v; want all %v within the grace period", got, want)
+	}
+	due, err := w.Collect(time.Now())
+	if err != nil || due.IsZero() || len(versionDirs(t, dir)) != 3 {
+		t.Fatalf("Collect before the grace period = %v, %v, %d versions; want a due time and nothing removed", due, err, len(versionDirs(t, dir)))
+	}
+	if _, err := w.Collect(due); err != nil || len(versionDirs(t, dir)) != 2 {
+		t.Fatalf("Collect at the first due time: %v, %d versions; want the oldest removed", err, len(versionDirs(t, dir)))
+	}
+	if due, err := w.Collect(time.Now().Add(2 * time.Hour)); err != nil || !due.IsZero() {
+		t.Fatalf("Collect after every grace period = %v, %v; want nothing left to collect", due, err)
+	}
+	if got := versionDirs(t, dir); !slices.Equal(got, names[2:]) {
+		t.Errorf("after Collect: versions %v; want %v", got, names[2:])
+	}
+	checkMount(t, dir, Payload{"a": file("2", 0o644)})
+	if err := w.Verify(); err != nil {
+		t.Errorf("Verify: %v", err)
+	}
+	for i := range MaxRetired + 5 {
+		write(10 + i)
+	}
+	if n := len(versionDirs(t, dir)); n != MaxRetired+1 {
+		t.Errorf("after %d back-to-back writes: %d versions; want %d", MaxRetired+5, n, MaxRetired+1)
+	}
+	if err := w.Verify(); err != nil {
+		t.Errorf("Verify with replaced versions present: %v", err)
+	}
+	// A restart (Adopt) keeps only the current version.
+	w2 := newWriter(t, dir)
+	if _, err := w2.Adopt(); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(versionDirs(t, dir)); n != 1 {
+		t.Errorf("after Adopt: %d versions; want 1", n)
+	}
+}
+
+// TestReplacedVersionsMakeRoom: on a tmpfs with room for three versions,
+// replacing every file again and again never fails for want of space — the
+// replaced versions kept for readers give way.
+func TestReplacedVersionsMakeRoom(t *testing.T) {
+	roottest.Require(t)
+	dir := filepath.Join(t.TempDir(), "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	roottest.UnmountAtEnd(t, dir)
+	const limit = 64 << 10
+	if err := fsutil.MountTmpfs(dir, fsutil.TmpfsOptions{Size: 3 * limit, Mode: 0o755, UID: -1, GID: -1}); err != nil {
+		t.Fatal(err)
+	}
+	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	for i := range 20 {
+		p := Payload{}
+		for j := range 16 {
+			p[fmt.Sprintf("f%d", j)] = File{Data: bytes.Repeat([]byte{byte(i)}, 4096), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
+		}
+		if _, err := w.Write(p); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+	}
+}
+
+// TestVisibleReadersNeverSeeENOENT reads visible names in two goroutines
+// while a writer replaces every file back to back: not one read may fail.
+// With the previous version removed right after the switch (the kubelet's
+// order) this failed about once in 6,600 reads.
+func TestVisibleReadersNeverSeeENOENT(t *testing.T) {
+	dir := t.TempDir()
+	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	names := []string{"a.conf", "nested/b.conf", "c.conf"}
+	write := func(n int) {
+		p := Payload{}
+		for _, name := range names {
+			p[name] = file(fmt.Sprintf("%s %d", name, n), 0o644)
+		}
+		if _, err := w.Write(p); err != nil {
+			t.Error(err)
+		}
+	}
+	write(0)
+	const perReader = 100_000
+	var failures, reads atomic.Int64
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(60 * time.Second)
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; i < perReader && time.Now().Before(deadline); i++ {
+				if _, err := os.ReadFile(filepath.Join(dir, names[(i+r)%len(names)])); err != nil {
+					if failures.Add(1) <= 5 {
+						t.Errorf("read: %v", err)
+					}
+				}
+				reads.Add(1)
+			}
+		}()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	writes := 0
+	for running := true; running; {
+		select {
+		case <-done:
+			running = false
+		default:
+			writes++
+			write(writes)
+		}
+	}
+	t.Logf("%d visible-name reads during %d writes, %d failed", reads.Load(), writes, failures.Load())
+	if reads.Load() < 2*perReader {
+		t.Errorf("%d reads; want %d", reads.Load(), 2*perReader)
+	}
+	if writes < 100 {
+		t.Errorf("only %d writes: the readers did not race a writer", writes)
+	}
+}
+
+// TestRemoveStrays: entries the writer did not make are removed (a planted
+// symlink itself, never what it points at); the writer's own stay.
+func TestRemoveStrays(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	outside := filepath.Join(base, "outside")
+	for _, d := range []string{dir, outside} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(outside, "keep"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	w := newWriter(t, dir)
+	want := Payload{"app.conf": file("a", 0o644), "d/x": file("x", 0o644)}
+	if _, err := w.Write(want); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"stray.txt", "..hidden"} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte("x"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Mkdir(filepath.Join(dir, "straydir"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(dir, "planted")); err != nil {
+		t.Fatal(err)
+	}
+	if err := w.Verify(); !errors.Is(err, ErrDrift) {
+		t.Fatalf("Verify = %v; want ErrDrift", err)
+	}
+	removed, err := w.RemoveStrays()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"..hidden", "planted", "stray.txt", "straydir"}; !slices.Equal(removed, want) {
+		t.Errorf("removed %v; want %v", removed, want)
+	}
+	if _, err := w.Adopt(); err != nil {
+		t.Fatalf("Adopt after RemoveStrays: %v", err)
+	}
+	checkMount(t, dir, want)
+	if _, err := os.Stat(filepath.Join(outside, "keep")); err != nil {
+		t.Errorf("a file behind the planted symlink: %v", err)
+	}
+}
+
+// TestDirectoryModesFollowOptions: a writer opened with a new directory
+// mode or owner rebuilds the version so that every directory has them,
+// even when the payload is unchanged.
+func TestDirectoryModesFollowOptions(t *testing.T) {
+	dir := t.TempDir()
+	payload := Payload{"a": file("a", 0o644), "d/e/f": file("f", 0o644)}
+	for _, tc := range []struct {
+		mode     fs.FileMode
+		uid, gid int
+	}{{0o755, -1, -1}, {0o700, 4321, 8765}, {0o750, 4321, 8765}} {
+		w, err := OpenAtomicWriter(dir, WriterOptions{DirMode: tc.mode, DirUID: tc.uid, DirGID: tc.gid})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.Adopt(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := w.Write(payload); err != nil {
+			t.Fatal(err)
+		}
+		w.Close()
+		version, _ := os.Readlink(filepath.Join(dir, DataDirName))
+		for _, d := range []string{version, version + "/d", version + "/d/e"} {
+			info, err := os.Lstat(filepath.Join(dir, d))
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := info.Sys().(*syscall.Stat_t)
+			if info.Mode().Perm() != tc.mode || tc.uid >= 0 && (int(st.Uid) != tc.uid || int(st.Gid) != tc.gid) {
+				t.Errorf("%s: mode %v owner %d:%d; want %v %d:%d", d, info.Mode().Perm(), st.Uid, st.Gid, tc.mode, tc.uid, tc.gid)
+			}
+		}
+		checkMount(t, dir, payload)
+	}
+}
+
+// TestSymlinkedMountDirIsRefused: a mount directory that is a symlink is
+// never opened through it.
+func TestSymlinkedMountDirIsRefused(t *testing.T) {
+	base := t.TempDir()
+	target := filepath.Join(base, "target")
+	if err := os.Mkdir(target, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(base, "mnt")
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := OpenAtomicWriter(link, WriterOptions{DirUID: -1, DirGID: -1}); !errors.Is(err, fsutil.ErrNotDir) {
+		t.Errorf("OpenAtomicWriter(symlink) = %v; want fsutil.ErrNotDir", err)
+	}
+}
