@@ -5,7 +5,9 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo deve
 LDFLAGS := -X main.version=$(VERSION)
 
 .DEFAULT_GOAL := help
-.PHONY: help build test fmt vet consul-agent demo bench clean
+STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+
+.PHONY: help build test fmt vet staticcheck consul-agent demo bench clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -13,7 +15,7 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet ## check formatting, vet, and run every test with the race detector (builds a Consul agent once)
+test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
 		KVMOUNT_CONSUL=$$bin $(GO) test -race -count=1 -timeout 30m ./...
 
@@ -25,6 +27,9 @@ fmt: ## fail if gofmt would change a file
 
 vet: ## go vet
 	$(GO) vet ./...
+
+staticcheck: ## staticcheck, pinned, run through go run
+	$(GO) run $(STATICCHECK) ./...
 
 demo: ## project keys of an in-process etcd into a directory, change them, show the tree
 	$(GO) run ./examples/demo

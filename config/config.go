@@ -28,6 +28,11 @@ const (
 	DefaultPath           = "/etc/kvmount/kvmount.toml"
 	DefaultStateDir       = "/var/lib/kvmount"
 	DefaultResyncInterval = 2 * time.Minute
+	// MinResyncInterval is the shortest resync_interval: a resync reads
+	// every mount from disk, and changes never wait for it.
+	MinResyncInterval = time.Second
+	// MinPollInterval is the shortest poll_interval of any source kind.
+	MinPollInterval = 100 * time.Millisecond
 	// DefaultMode is the kubelet's default file mode for ConfigMap volumes.
 	DefaultMode fs.FileMode = 0o644
 	// DefaultDirMode is the mode of a mount's directories (the kubelet's
@@ -66,6 +71,10 @@ type Config struct {
 	Sources map[string]*Source
 	// Mounts in file order.
 	Mounts []*Mount
+	// Warnings are valid but probably unintended settings, such as a
+	// prefix without a trailing "/", in file order; kvmount check prints
+	// them and the daemon logs them.
+	Warnings ErrorList
 }
 
 // Source is one [sources.NAME] table.
@@ -115,6 +124,11 @@ type Mount struct {
 	CheckCommand []string
 	// CheckTimeout bounds CheckCommand.
 	CheckTimeout time.Duration
+	// CheckUID and CheckGID are the user and group CheckCommand runs as
+	// (check_user: a name, whose primary group applies, or a numeric id,
+	// whose group is the same number when no such user exists); -1 runs it
+	// as kvmount's own user.
+	CheckUID, CheckGID int
 	// MaxValueSize is the largest value projected, in bytes.
 	MaxValueSize int64
 	// MaxMountSize is the largest payload, in bytes; 0 for no limit.
@@ -177,7 +191,7 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 	level := top.Choice("log_level", "info", "debug", "info", "warn", "error")
 	_ = cfg.LogLevel.UnmarshalText([]byte(level))
 	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
-	cfg.ResyncInterval = top.Duration("resync_interval", DefaultResyncInterval)
+	cfg.ResyncInterval = top.DurationAtLeast("resync_interval", DefaultResyncInterval, MinResyncInterval)
 
 	sources := top.Table("sources")
 	for _, name := range sources.Keys() {
@@ -211,6 +225,8 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 		slices.SortStableFunc(doc.errs, func(a, b *Error) int { return a.Line - b.Line })
 		return nil, doc.errs
 	}
+	slices.SortStableFunc(doc.warnings, func(a, b *Error) int { return a.Line - b.Line })
+	cfg.Warnings = doc.warnings
 	return cfg, nil
 }
 
@@ -228,7 +244,7 @@ func kindList(kinds map[string]SourceDecoder) string {
 
 func decodeMount(sec *Section, cfg *Config) *Mount {
 	defer sec.Done()
-	m := &Mount{UID: -1, GID: -1}
+	m := &Mount{UID: -1, GID: -1, CheckUID: -1, CheckGID: -1}
 	m.Name = sec.String("name", "")
 	switch {
 	case m.Name == "":
@@ -262,6 +278,13 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	m.CheckTimeout = sec.Duration("check_timeout", DefaultCheckTimeout)
 	if sec.Has("check_timeout") && !sec.Has("check_command") {
 		sec.Errorf("check_timeout", "applies with check_command only")
+	}
+	if sec.Has("check_user") {
+		m.CheckUID = lookupID(sec, "check_user", lookupUser)
+		m.CheckGID = primaryGroup(m.CheckUID)
+		if !sec.Has("check_command") {
+			sec.Errorf("check_user", "applies with check_command only")
+		}
 	}
 	m.MaxValueSize = sec.Size("max_value_size", DefaultMaxValueSize)
 	m.MaxMountSize = sec.Size("max_mount_size", 0)
@@ -302,6 +325,9 @@ func decodeProjection(sec *Section, cfg *Config, optional bool, paths map[string
 		sec.Errorf("source", "unknown source %q; declare it as [sources.%s]", p.Source, p.Source)
 	}
 	p.Prefix = sec.String("prefix", "")
+	if p.Prefix != "" && !strings.HasSuffix(p.Prefix, "/") {
+		sec.Warnf("prefix", "%q does not end in \"/\": etcd and Consul prefixes match every key that starts with it (%q matches %q too)", p.Prefix, p.Prefix, p.Prefix+"-other/x")
+	}
 	if sec.Has("optional") {
 		p.Optional = sec.Bool("optional", optional)
 	}
@@ -423,6 +449,20 @@ func lookupUser(name string) (int, error) {
 		return -1, err
 	}
 	return strconv.Atoi(u.Uid)
+}
+
+// primaryGroup returns the primary group of the user uid from the user
+// database, or uid itself when the database has no such user; -1 for -1.
+func primaryGroup(uid int) int {
+	if uid < 0 {
+		return -1
+	}
+	if u, err := user.LookupId(strconv.Itoa(uid)); err == nil {
+		if gid, err := strconv.Atoi(u.Gid); err == nil {
+			return gid
+		}
+	}
+	return uid
 }
 
 func lookupGroup(name string) (int, error) {

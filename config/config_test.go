@@ -159,6 +159,10 @@ size_limit = "lots"
 			`k.toml:11: mount[0].size_limit: bad size "lots"`,
 			`k.toml:11: mount[0].size_limit: applies to medium "tmpfs" only`,
 		}},
+		{name: "lower bounds", toml: "resync_interval = \"500ms\"\n" + head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\ndefault_mode = \"0\"\n", want: []string{
+			`k.toml:1: resync_interval: 500ms is shorter than the minimum of 1s`,
+			`k.toml:8: mount[0].default_mode: mode 0 gives nobody access`,
+		}},
 		{name: "mode beyond 0777", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\ndefault_mode = \"4755\"\n", want: []string{`k.toml:7: mount[0].default_mode: mode 04755 has bits beyond 0777`}},
 		{name: "duplicate names and dirs", toml: head + `
 [[mount]]
@@ -263,6 +267,19 @@ dir = "/srv/a"
 				rest = rest[i+len(want):]
 			}
 		})
+	}
+}
+
+// TestWarnings: a prefix without a trailing "/" is valid, with a warning
+// at its line.
+func TestWarnings(t *testing.T) {
+	toml := "[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nprefix = \"app\"\n[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"s\"\nprefix = \"b/\"\n"
+	cfg, err := Parse("k.toml", []byte(toml), testKinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.Warnings) != 1 || !strings.HasPrefix(cfg.Warnings[0].Error(), `k.toml:7: mount[0].prefix: "app" does not end in "/"`) {
+		t.Errorf("warnings %v; want one for mount[0].prefix at line 7", cfg.Warnings)
 	}
 }
 

@@ -13,9 +13,10 @@ import (
 // document is one configuration file being decoded: its key lines and the
 // problems found so far.
 type document struct {
-	file  string
-	lines keyLines
-	errs  ErrorList
+	file     string
+	lines    keyLines
+	errs     ErrorList
+	warnings ErrorList
 }
 
 func (d *document) add(line int, key, format string, args ...any) {
@@ -63,6 +64,23 @@ func (s *Section) Line(key string) int {
 // Errorf records a problem with key ("" for the section itself) at its line.
 func (s *Section) Errorf(key, format string, args ...any) {
 	s.doc.add(s.Line(key), s.keyName(key), format, args...)
+}
+
+// Warnf records something valid but probably unintended about key, such as
+// a prefix without a trailing "/"; it does not fail the file.
+func (s *Section) Warnf(key, format string, args ...any) {
+	s.doc.warnings = append(s.doc.warnings, &Error{File: s.doc.file, Line: s.Line(key), Key: s.keyName(key), Msg: fmt.Sprintf(format, args...)})
+}
+
+// DurationAtLeast is Duration with a lower bound: a shorter duration is an
+// error naming the bound.
+func (s *Section) DurationAtLeast(key string, def, least time.Duration) time.Duration {
+	d := s.Duration(key, def)
+	if d < least {
+		s.Errorf(key, "%v is shorter than the minimum of %v", d, least)
+		return def
+	}
+	return d
 }
 
 func (s *Section) keyName(key string) string {
@@ -192,6 +210,10 @@ func (s *Section) Mode(key string, def fs.FileMode) fs.FileMode {
 	}
 	if n > 0o777 {
 		s.Errorf(key, "mode %#o has bits beyond 0777", n)
+		return def
+	}
+	if n == 0 {
+		s.Errorf(key, "mode 0 gives nobody access; leave %s out for the default, or set one such as \"0644\"", key)
 		return def
 	}
 	return fs.FileMode(n)

@@ -129,8 +129,8 @@ func (b *httpBackend) serve(w http.ResponseWriter, r *http.Request) {
 func (b *httpBackend) upstream() string { return strings.TrimPrefix(b.srv.URL, "http://") }
 
 func (b *httpBackend) sources(addr string) string {
-	return fmt.Sprintf("[sources.main]\ntype = \"http\"\nurl = \"http://%s/doc.json\"\npoll_interval = \"50ms\"\n\n"+
-		"[sources.raw]\ntype = \"http\"\nurl = \"http://%s/raw/bin\"\nformat = \"raw\"\nkey = \"bin\"\npoll_interval = \"50ms\"\n", addr, addr)
+	return fmt.Sprintf("[sources.main]\ntype = \"http\"\nurl = \"http://%s/doc.json\"\npoll_interval = \"100ms\"\n\n"+
+		"[sources.raw]\ntype = \"http\"\nurl = \"http://%s/raw/bin\"\nformat = \"raw\"\nkey = \"bin\"\npoll_interval = \"100ms\"\n", addr, addr)
 }
 
 func (b *httpBackend) put(t *testing.T, kv ...string) {

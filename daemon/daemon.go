@@ -33,6 +33,9 @@ type Options struct {
 	LogOutput io.Writer
 	// Reload delivers a signal for every reload request (SIGHUP).
 	Reload <-chan os.Signal
+	// Abort, closed after the context is done (a second SIGTERM), cuts
+	// the stop short: running check commands are killed; writes finish.
+	Abort <-chan struct{}
 	// Notify, when set, is told of the daemon's life: "ready" once every
 	// mount has been projected or has settled on an error, "reloading" and
 	// "ready" around a reload, "stopping" at the end (systemd's sd_notify
@@ -56,6 +59,7 @@ type daemon struct {
 	cache   *source.Cache
 	pop     *reconcile.Populator
 	rec     *reconcile.Reconciler
+	lock    *stateLock
 	ready   bool
 }
 
@@ -68,14 +72,20 @@ func load(opts Options, onSync func(*daemon, []reconcile.MountStatus)) (*daemon,
 	d := &daemon{opts: opts, cfg: cfg, level: new(slog.LevelVar), sources: map[string]instance{}}
 	d.level.Set(cfg.LogLevel)
 	d.log = NewLogger(opts.LogOutput, cfg.LogFormat, d.level)
+	logWarnings(d.log, cfg)
+	if d.lock, err = lockStateDir(cfg.StateDir); err != nil {
+		return nil, err
+	}
 	owned, err := reconcile.LoadOwned(cfg.StateDir)
 	if err != nil {
+		d.lock.release()
 		return nil, err
 	}
 	trigger := reconcile.NewTrigger()
 	d.cache = source.NewCache(d.log, trigger.Fire)
 	opened, err := d.openSources(cfg)
 	if err != nil {
+		d.lock.release()
 		return nil, err
 	}
 	d.setSources(opened)
@@ -86,9 +96,17 @@ func load(opts Options, onSync func(*daemon, []reconcile.MountStatus)) (*daemon,
 	}
 	d.rec = reconcile.New(d.pop, owned, trigger, d.log, reconcile.Options{
 		ResyncInterval: cfg.ResyncInterval,
+		Abort:          opts.Abort,
 		OnSync:         func(st []reconcile.MountStatus) { onSync(d, st) },
 	})
 	return d, nil
+}
+
+// logWarnings logs the configuration's warnings.
+func logWarnings(log *slog.Logger, cfg *config.Config) {
+	for _, w := range cfg.Warnings {
+		log.Warn("configuration warning", "warning", w.Error())
+	}
 }
 
 // NewLogger returns a logger writing text or JSON lines to w at level.
@@ -124,24 +142,33 @@ func (d *daemon) openSources(cfg *config.Config) (map[string]instance, error) {
 }
 
 func (d *daemon) setSources(sources map[string]instance) {
+	d.cache.SetSources(sourceMap(sources))
+	d.sources = sources
+}
+
+// sourceMap returns the opened sources by name.
+func sourceMap(sources map[string]instance) map[string]source.Source {
 	m := make(map[string]source.Source, len(sources))
 	for name, in := range sources {
 		m[name] = in.src
 	}
-	d.cache.SetSources(m)
-	d.sources = sources
+	return m
 }
 
-// close stops the follows and closes the sources.
+// close stops the follows, closes the sources and releases the state
+// directory's lock.
 func (d *daemon) close() {
 	if d.pop != nil {
 		d.pop.Close()
 	}
 	d.cache.Close()
+	d.lock.release()
 }
 
 // Run runs the daemon until ctx is done, re-reading the configuration on
-// each Options.Reload. An invalid configuration at start is returned; an
+// each Options.Reload. It holds an exclusive lock on the state directory
+// for its whole life; another instance holding it makes Run return an
+// error wrapping ErrLocked at once. An invalid configuration at start is returned; an
 // invalid one at reload is logged and the running one stays in force. It
 // returns nil after a clean stop: running operations finish, no write is
 // left half done.
@@ -152,6 +179,13 @@ func Run(ctx context.Context, opts Options) error {
 	}
 	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources))
 	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error {
+		// STOPPING=1 as soon as the stop is asked for, not once the
+		// operations in flight have finished.
+		<-gctx.Done()
+		d.notify("stopping")
+		return nil
+	})
 	g.Go(func() error { return d.rec.Run(gctx) })
 	g.Go(func() error {
 		for {
@@ -164,7 +198,6 @@ func Run(ctx context.Context, opts Options) error {
 		}
 	})
 	err = g.Wait()
-	d.notify("stopping")
 	d.close()
 	d.log.Info("kvmount stopped")
 	return err
@@ -181,6 +214,7 @@ func (d *daemon) reload(ctx context.Context) {
 		d.log.Error("invalid configuration; the running one stays in force", "config", d.opts.ConfigPath, "err", err)
 		return
 	}
+	logWarnings(d.log, cfg)
 	if cfg.StateDir != d.cfg.StateDir {
 		d.log.Warn("state_dir changes take effect at restart", "running", d.cfg.StateDir, "configured", cfg.StateDir)
 	}
@@ -192,13 +226,16 @@ func (d *daemon) reload(ctx context.Context) {
 		d.log.Error("cannot open sources; the running configuration stays in force", "err", err)
 		return
 	}
-	d.setSources(opened)
-	if err := d.rec.Reload(ctx, cfg.Mounts); err != nil {
-		d.log.Error("cannot apply mounts; the running configuration stays in force", "err", err)
+	// Sources and the mounts that use them change in one step of the
+	// reconciler's loop.
+	err = d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: cfg.Mounts, Sources: sourceMap(opened), ResyncInterval: cfg.ResyncInterval})
+	d.sources = opened
+	if err != nil {
+		d.log.Error("cannot apply mounts", "err", err)
 		return
 	}
 	d.level.Set(cfg.LogLevel)
-	d.cfg.Sources, d.cfg.Mounts, d.cfg.LogLevel = cfg.Sources, cfg.Mounts, cfg.LogLevel
+	d.cfg.Sources, d.cfg.Mounts, d.cfg.LogLevel, d.cfg.ResyncInterval = cfg.Sources, cfg.Mounts, cfg.LogLevel, cfg.ResyncInterval
 	d.log.Info("configuration reloaded", "mounts", len(cfg.Mounts), "sources", len(cfg.Sources))
 }
 
@@ -246,7 +283,8 @@ func (e *OnceError) Error() string {
 // Once projects every mount once and returns when each has settled (see
 // Run's readiness) or timeout has passed. It returns nil when every
 // non-optional mount was projected, an *OnceError naming the others, or the
-// configuration's error.
+// configuration's error. Like Run, it holds the state directory's lock
+// while it works (see ErrLocked).
 func Once(ctx context.Context, opts Options, timeout time.Duration) error {
 	var final []reconcile.MountStatus
 	ctx, cancel := context.WithTimeout(ctx, timeout)

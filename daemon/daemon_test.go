@@ -298,7 +298,7 @@ func TestOnce(t *testing.T) {
 		t.Fatalf("Once = %v", err)
 	}
 	h.waitContent(h.path("mnt", "ok"), map[string]string{"a": "1"})
-	if got, _ := content(h.path("mnt", "opt")); got != nil && len(got) != 0 {
+	if got, _ := content(h.path("mnt", "opt")); len(got) != 0 {
 		t.Errorf("optional mount holds %v; want nothing", got)
 	}
 
@@ -405,7 +405,7 @@ func TestReloadRereadsSecretFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.sources = func() string {
-		return fmt.Sprintf("[sources.main]\ntype = \"http\"\nurl = %q\npoll_interval = \"50ms\"\nheader_files = { Authorization = %q }\n", srv.URL, tokenFile)
+		return fmt.Sprintf("[sources.main]\ntype = \"http\"\nurl = %q\npoll_interval = \"100ms\"\nheader_files = { Authorization = %q }\n", srv.URL, tokenFile)
 	}
 	h.writeConfig(h.mount("m", ""))
 	h.start()

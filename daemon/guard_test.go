@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/roottest"
+	"github.com/kvmount/kvmount/reconcile"
 )
 
 func TestTmpfsMedium(t *testing.T) {
@@ -33,8 +35,8 @@ func TestTmpfsMedium(t *testing.T) {
 	if err := unix.Statfs(dir, &sfs); err != nil {
 		t.Fatal(err)
 	}
-	if size := int64(sfs.Blocks) * sfs.Bsize; size != 64<<10 {
-		t.Errorf("tmpfs size %d; want 64 KiB", size)
+	if size, want := int64(sfs.Blocks)*sfs.Bsize, reconcile.TmpfsSize(64<<10); size != want {
+		t.Errorf("tmpfs size %d; want %d (room for three versions of 64 KiB)", size, want)
 	}
 	if sfs.Flags&unix.ST_NOSUID == 0 || sfs.Flags&unix.ST_NODEV == 0 || sfs.Flags&unix.ST_NOEXEC == 0 {
 		t.Errorf("mount flags %#x; want nosuid, nodev, noexec", sfs.Flags)
@@ -146,24 +148,38 @@ func TestGuardRails(t *testing.T) {
 	h.waitContent(h.path("mnt", "minkeys"), map[string]string{"a": "1", "b": "2", "d": "4"})
 }
 
+// TestImmutable: an immutable mount stops following its source once
+// projected; a reload and a restart read it again.
 func TestImmutable(t *testing.T) {
 	h := newHarness(t)
 	h.put("/im/a", "1")
-	h.writeConfig(h.mount("im", "/im/", "immutable = true"))
+	// "follower" follows the same prefix: once it holds a write, the
+	// immutable mount would hold it too if it still followed.
+	cfg := h.mount("im", "/im/", "immutable = true") + h.mount("follower", "/im/")
+	h.writeConfig(cfg)
 	h.start()
-	dir := h.path("mnt", "im")
+	dir, follower := h.path("mnt", "im"), h.path("mnt", "follower")
 	h.waitContent(dir, map[string]string{"a": "1"})
 	h.waitLog("immutable mount has its payload; no longer following its sources", "mount=im")
 	h.put("/im/a", "2")
-	h.put("/other/x", "settle") // a later write, so that the first had time to arrive
-	time.Sleep(200 * time.Millisecond)
+	h.waitContent(follower, map[string]string{"a": "2"})
+	h.waitReady()
 	if got, _ := content(dir); got["a"] != "1" {
 		t.Errorf("immutable mount changed: %v", got)
+	}
+	// A reload reads it again (README: "read again on reload or restart").
+	h.sighup()
+	h.waitContent(dir, map[string]string{"a": "2"})
+	h.put("/im/a", "3")
+	h.waitContent(follower, map[string]string{"a": "3"})
+	h.waitReady()
+	if got, _ := content(dir); got["a"] != "2" {
+		t.Errorf("immutable mount changed after its reload: %v", got)
 	}
 	// A restart reads it again.
 	h.stop()
 	h.start()
-	h.waitContent(dir, map[string]string{"a": "2"})
+	h.waitContent(dir, map[string]string{"a": "3"})
 }
 
 func TestCheckCommand(t *testing.T) {
@@ -174,12 +190,36 @@ func TestCheckCommand(t *testing.T) {
 	dir := h.path("mnt", "cc")
 	h.waitContent(dir, map[string]string{"app.conf": "valid 1"})
 	h.put("/cc/app.conf", "broken")
-	h.waitLog("operation failed", "mount=cc", "check_command sh: exit status 3", "app.conf: no valid line")
+	h.waitLog("operation failed", "mount=cc", "check_command sh: exit status 3")
+	// The output may echo secret values: debug level only.
+	h.waitLog("level=DEBUG", "check_command finished", "mount=cc", "app.conf: no valid line")
+	if n := h.logs.Count("level=ERROR", "app.conf: no valid line"); n != 0 {
+		t.Errorf("the check's output was logged at error level %d times", n)
+	}
 	if got, _ := content(dir); got["app.conf"] != "valid 1" {
 		t.Errorf("a refused version reached the mount: %v", got)
 	}
 	h.put("/cc/app.conf", "valid 2")
 	h.waitContent(dir, map[string]string{"app.conf": "valid 2"})
+}
+
+// TestCheckUser runs check_command as check_user.
+func TestCheckUser(t *testing.T) {
+	roottest.Require(t)
+	h := newHarness(t)
+	// check_user must reach the version directory: t.TempDir makes 0700
+	// directories.
+	for d := h.path(); d != filepath.Dir(d) && strings.HasPrefix(d, os.TempDir()+"/"); d = filepath.Dir(d) {
+		if err := os.Chmod(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	h.put("/cu/a", "1", "/cw/a", "1")
+	h.writeConfig(h.mount("cu", "/cu/", `check_command = ["sh", "-c", "test $(id -u):$(id -g) = 4321:4321"]`, `check_user = "4321"`) +
+		h.mount("cw", "/cw/", `check_command = ["sh", "-c", "test $(id -u) = 0"]`, `check_user = "4321"`))
+	h.start()
+	h.waitContent(h.path("mnt", "cu"), map[string]string{"a": "1"})
+	h.waitLog("operation failed", "mount=cw", "check_command sh: exit status 1")
 }
 
 func TestCheckCommandTimeout(t *testing.T) {
@@ -224,7 +264,7 @@ func TestProjectedMountWithOneSourceDown(t *testing.T) {
 	h.put("/p/app.conf", "listen 80")
 	h.sources = func() string {
 		return fmt.Sprintf("[sources.main]\ntype = \"etcd\"\nendpoints = [\"http://%s\"]\ndial_timeout = \"1s\"\n\n", proxy.Addr()) +
-			fmt.Sprintf("[sources.web]\ntype = \"http\"\nurl = \"http://%s/doc.json\"\npoll_interval = \"50ms\"\n", web.upstream())
+			fmt.Sprintf("[sources.web]\ntype = \"http\"\nurl = \"http://%s/doc.json\"\npoll_interval = \"100ms\"\n", web.upstream())
 	}
 	h.writeConfig(fmt.Sprintf(`[[mount]]
 name = "bundle"
@@ -250,4 +290,127 @@ dir = %q
 		t.Fatal(err)
 	}
 	h.waitContent(dir, map[string]string{"app.conf": "listen 8080", "dark-mode": "on"})
+}
+
+// TestForeignTmpfsIsRefused: a tmpfs that kvmount did not mount at a
+// mount's dir is refused before any mount call; its size, options and files
+// stay.
+func TestForeignTmpfsIsRefused(t *testing.T) {
+	roottest.Require(t)
+	h := newHarness(t)
+	dir := h.path("mnt", "f")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	roottest.UnmountAtEnd(t, dir)
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m,mode=0711"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "theirs"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	h.put("/f/a", "1")
+	h.writeConfig(h.mount("f", "/f/", `medium = "tmpfs"`))
+	h.start()
+	h.waitLog("operation failed", "mount=f", "did not mount")
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	info, _ := os.Stat(dir)
+	if size := int64(sfs.Blocks) * sfs.Bsize; size != 1<<20 || info.Mode().Perm() != 0o711 || roottest.MountsAt(t, dir) != 1 {
+		t.Errorf("foreign tmpfs changed: size %d, mode %v, %d mounts", size, info.Mode().Perm(), roottest.MountsAt(t, dir))
+	}
+	if got := entries(t, dir); len(got) != 1 || got[0] != "theirs" {
+		t.Errorf("foreign tmpfs holds %v; want [theirs]", got)
+	}
+}
+
+// TestTmpfsReplacesAFullPayload: a payload of size_limit replaces another
+// of size_limit whose files all changed, again and again, on a tmpfs sized
+// by kvmount; one page more than size_limit is refused before writing.
+func TestTmpfsReplacesAFullPayload(t *testing.T) {
+	roottest.Require(t)
+	h := newHarness(t)
+	dir := h.path("mnt", "full")
+	roottest.UnmountAtEnd(t, dir)
+	page := os.Getpagesize()
+	const files = 8
+	values := func(round int) ([]string, map[string]string) {
+		var kv []string
+		want := map[string]string{}
+		for i := range files {
+			v := strings.Repeat(strconv.Itoa(round%10), page)
+			kv = append(kv, fmt.Sprintf("/full/f%d", i), v)
+			want[fmt.Sprintf("f%d", i)] = v
+		}
+		return kv, want
+	}
+	kv, want := values(0)
+	h.put(kv...)
+	h.writeConfig(h.mount("full", "/full/", `medium = "tmpfs"`, fmt.Sprintf("size_limit = \"%dKiB\"", files*page/1024)))
+	h.start()
+	h.waitContent(dir, want)
+	for round := 1; round <= 5; round++ {
+		kv, want := values(round)
+		h.put(kv...)
+		h.waitContent(dir, want)
+	}
+	h.put("/full/one-more", "x")
+	h.waitLog("operation failed", "mount=full", "more than size_limit")
+	if n := h.logs.Count("no space left"); n != 0 {
+		t.Errorf("%d writes ran out of space", n)
+	}
+}
+
+// TestDirModeAndOwnerFollowReload: a reload that tightens dir_mode and
+// changes the owner applies them to the mount directory, the version
+// directory and the directories inside it, on disk and on tmpfs.
+func TestDirModeAndOwnerFollowReload(t *testing.T) {
+	roottest.Require(t)
+	for _, medium := range []string{"disk", "tmpfs"} {
+		t.Run(medium, func(t *testing.T) {
+			h := newHarness(t)
+			dir := h.path("mnt", "m")
+			roottest.UnmountAtEnd(t, dir)
+			h.put("/m/a", "1", "/m/sub/deep/b", "2")
+			cfg := func(mode, user string) string {
+				return h.mount("m", "/m/", fmt.Sprintf("medium = %q", medium), fmt.Sprintf("dir_mode = %q", mode), fmt.Sprintf("user = %q", user), fmt.Sprintf("group = %q", user))
+			}
+			h.writeConfig(cfg("0775", "1234"))
+			h.start()
+			want := map[string]string{"a": "1", "sub/deep/b": "2"}
+			h.waitContent(dir, want)
+			check := func(mode os.FileMode, id uint32) {
+				t.Helper()
+				version, _ := os.Readlink(filepath.Join(dir, "..data"))
+				for _, d := range []string{"", version, version + "/sub", version + "/sub/deep"} {
+					info, err := os.Lstat(filepath.Join(dir, d))
+					if err != nil {
+						t.Fatal(err)
+					}
+					st := info.Sys().(*syscall.Stat_t)
+					if info.Mode().Perm() != mode || st.Uid != id || st.Gid != id {
+						t.Errorf("%s: mode %v owner %d:%d; want %v %d:%d", filepath.Join("mnt/m", d), info.Mode().Perm(), st.Uid, st.Gid, mode, id, id)
+					}
+				}
+			}
+			check(0o775, 1234)
+			h.writeConfig(cfg("0750", "4321"))
+			h.sighup()
+			deadline := time.Now().Add(waitTimeout)
+			for {
+				info, _ := os.Stat(filepath.Join(dir, "..data", "sub"))
+				if info != nil && info.Mode().Perm() == 0o750 && info.Sys().(*syscall.Stat_t).Uid == 4321 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("dir_mode and owner never applied after reload")
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			h.waitContent(dir, want)
+			check(0o750, 4321)
+		})
+	}
 }

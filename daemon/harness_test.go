@@ -91,7 +91,7 @@ func (h *harness) writeConfig(mounts string) {
 		sources = h.sources()
 	}
 	body := fmt.Sprintf(`state_dir = %q
-resync_interval = "200ms"
+resync_interval = "1s"
 log_level = "debug"
 
 %s
@@ -281,14 +281,18 @@ func entries(t *testing.T, dir string) []string {
 
 // readVersions reads, in a loop until the returned stop is called, the
 // files of the version ..data names, resolving ..data once per round as a
-// careful reader does, and hands each complete set of values to check. A
-// round whose version was replaced and removed meanwhile is skipped. stop
-// returns how many complete rounds there were.
+// careful reader does, and hands each complete set of values to check.
+// Call it once the mount is projected: from then on an unreadable ..data is
+// a failure, and so is a missing file in a version that ..data still names
+// afterwards. A round whose version was replaced and removed meanwhile is
+// skipped (kvmount keeps replaced versions for a grace period, so that is
+// rare). stop returns how many complete rounds there were.
 func readVersions(t *testing.T, dir string, files []string, check func(version string, values []string)) (stop func() int64) {
 	done := make(chan struct{})
 	var reads atomic.Int64
 	var wg sync.WaitGroup
 	wg.Add(1)
+	data := filepath.Join(dir, projector.DataDirName)
 	go func() {
 		defer wg.Done()
 		for {
@@ -297,21 +301,26 @@ func readVersions(t *testing.T, dir string, files []string, check func(version s
 				return
 			default:
 			}
-			version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
+			version, err := os.Readlink(data)
 			if err != nil {
-				continue
+				t.Errorf("readlink ..data: %v", err)
+				return
 			}
 			values := make([]string, 0, len(files))
 			for _, name := range files {
-				data, err := os.ReadFile(filepath.Join(dir, version, name))
+				b, err := os.ReadFile(filepath.Join(dir, version, name))
 				if errors.Is(err, fs.ErrNotExist) {
+					if now, _ := os.Readlink(data); now == version {
+						t.Errorf("%s/%s is missing while ..data names that version", version, name)
+						return
+					}
 					break
 				}
 				if err != nil {
 					t.Errorf("%s/%s: %v", version, name, err)
 					return
 				}
-				values = append(values, string(data))
+				values = append(values, string(b))
 			}
 			if len(values) == len(files) {
 				reads.Add(1)

@@ -35,6 +35,8 @@ func DirExists(dir string) (bool, error) {
 		return false, nil
 	case err != nil:
 		return false, err
+	case info.Mode().Type() == fs.ModeSymlink:
+		return false, fmt.Errorf("%s: %w: it is a symlink, and kvmount never follows a symlink at a mount directory", dir, ErrNotDir)
 	case !info.IsDir():
 		return false, fmt.Errorf("%s: %w (%v)", dir, ErrNotDir, info.Mode().Type())
 	}

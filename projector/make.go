@@ -1,6 +1,7 @@
 package projector
 
 import (
+	"errors"
 	"fmt"
 	"io/fs"
 	"path"
@@ -50,6 +51,10 @@ type Options struct {
 	MaxSize int64
 }
 
+// ErrPathTaken is the reason of a *KeyError for a key whose path cleans to
+// the path of another key of the same projection.
+var ErrPathTaken = errors.New("two keys clean to one path")
+
 // KeyError reports a key that cannot be projected, such as one whose path
 // would leave the mount. The key is skipped; the rest of the mount is
 // projected.
@@ -75,17 +80,23 @@ func (e *KeyError) Unwrap() error { return e.Err }
 // folders) and the prefix itself are skipped.
 //
 // A key whose path is invalid (CleanPath) or collides with another key's
-// file or directory is skipped and reported as a *KeyError. The returned
+// file or directory is skipped and reported as a *KeyError; of two keys of
+// one projection whose paths clean to the same one ("a//b" and "a/b", "./x"
+// and "x"), the later in byte order is skipped, its error naming both. The returned
 // error is for what fails the whole mount, so that its last content stays:
 // a missing prefix or item key that is not optional, two projections
 // producing the same path, a value over opts.MaxValueSize or a payload over
 // opts.MaxSize.
 func MakePayload(mount string, projections []Projection, opts Options) (Payload, []*KeyError, error) {
 	payload := Payload{}
-	owner := map[string]string{} // path → source and key that produced it
+	type origin struct {
+		projection int
+		key        string // full key
+	}
+	owner := map[string]origin{} // path → the projection and key that produced it
 	dirs := map[string]bool{}    // directories that payload's paths need
 	var rejected []*KeyError
-	for _, pr := range projections {
+	for i, pr := range projections {
 		if pr.Missing {
 			if pr.Optional {
 				continue
@@ -102,9 +113,14 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				return nil
 			}
 			if by, dup := owner[clean]; dup {
-				return fmt.Errorf("mount %q: path %q comes from both %s and source %q key %q", mount, clean, by, pr.Source, pr.Prefix+key)
+				if by.projection == i && pr.Items == nil {
+					rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount,
+						Err: fmt.Errorf("%w: path %q is also the path of key %q, which comes first in byte order", ErrPathTaken, clean, by.key)})
+					return nil
+				}
+				return fmt.Errorf("mount %q: path %q comes from both source %q key %q and source %q key %q", mount, clean, projections[by.projection].Source, by.key, pr.Source, pr.Prefix+key)
 			}
-			owner[clean] = fmt.Sprintf("source %q key %q", pr.Source, pr.Prefix+key)
+			owner[clean] = origin{projection: i, key: pr.Prefix + key}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
 				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds max_value_size (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), opts.MaxValueSize)
 			}

@@ -109,6 +109,14 @@ func TestMakePayload(t *testing.T) {
 			},
 			wantErr: `path "a" comes from both source "one" key "/x/a" and source "two" key "y/a"`,
 		},
+		{
+			name: "keys that clean to one path: the later in byte order is rejected",
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+				"a//b": []byte("1"), "a/b": []byte("2"), "./x": []byte("3"), "x": []byte("4"), "d/.": []byte("5"), "d": []byte("6"), "ok": []byte("7"),
+			}}},
+			want:         Payload{"a/b": f("1", 0o644), "x": f("3", 0o644), "d": f("6", 0o644), "ok": f("7", 0o644)},
+			wantRejected: []string{"/p/a/b", "/p/d/.", "/p/x"},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -133,7 +141,7 @@ func TestMakePayload(t *testing.T) {
 				if r.Mount != "m" || r.Source != "s" || !strings.Contains(r.Error(), `mount "m"`) {
 					t.Errorf("rejection %v does not name source and mount", r)
 				}
-				if !errors.Is(r, ErrInvalidPath) && !strings.Contains(r.Error(), "directory") && !strings.Contains(r.Error(), "below") {
+				if !errors.Is(r, ErrInvalidPath) && !errors.Is(r, ErrPathTaken) && !strings.Contains(r.Error(), "directory") && !strings.Contains(r.Error(), "below") {
 					t.Errorf("rejection %v has no reason", r)
 				}
 			}
@@ -169,6 +177,18 @@ func FuzzMakePayload(f *testing.F) {
 		for _, r := range rejected {
 			if r.Err == nil || r.Mount != "m" || r.Source != "s" {
 				t.Fatalf("rejection without a reason or a name: %+v", r)
+			}
+		}
+		if item == "" {
+			// Every key is projected or rejected, none lost.
+			eligible := 0
+			for k := range pr.Entries {
+				if k != "" && !strings.HasSuffix(k, "/") {
+					eligible++
+				}
+			}
+			if len(payload)+len(rejected) != eligible {
+				t.Fatalf("keys %q, %q: %d projected + %d rejected; want %d", k1, k2, len(payload), len(rejected), eligible)
 			}
 		}
 	})

@@ -477,6 +477,17 @@ func (w *AtomicWriter) Collect(now time.Time) (time.Time, error) {
 	return w.CollectDue(), errors.Join(errs...)
 }
 
+// RemoveReplaced removes every replaced version now, whatever its grace
+// period: for a clean stop, which leaves one version per mount.
+func (w *AtomicWriter) RemoveReplaced() error {
+	var errs []error
+	for _, v := range w.retired {
+		errs = append(errs, w.removeVersion(v.version, dirHandles{}))
+	}
+	w.retired = nil
+	return errors.Join(errs...)
+}
+
 // CollectDue returns when Collect will next remove a replaced version, or
 // the zero time when none is kept.
 func (w *AtomicWriter) CollectDue() time.Time {

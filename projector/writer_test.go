@@ -537,16 +537,39 @@ func FuzzWrite(f *testing.F) {
 		if len(outside) != 1 || outside[0].Name() != "mount" {
 			t.Fatalf("Write(%q, %q) created %v beside the mount", p1, p2, names(outside))
 		}
+		shared, err := os.ReadDir(base)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range shared {
+			if !strings.HasPrefix(e.Name(), "case") {
+				t.Fatalf("Write(%q, %q) created %s in the shared base", p1, p2, e.Name())
+			}
+		}
+		inside, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
 		if werr != nil {
+			if len(inside) != 0 {
+				t.Fatalf("failed Write(%q, %q) = %v left %v in the mount", p1, p2, werr, names(inside))
+			}
 			return
 		}
+		visible := map[string]bool{}
 		for _, p := range []string{p1, p2} {
 			clean, err := CleanPath(p)
 			if err != nil {
 				t.Fatalf("Write accepted %q, which CleanPath rejects: %v", p, err)
 			}
+			visible[strings.SplitN(clean, "/", 2)[0]] = true
 			if _, err := os.ReadFile(filepath.Join(dir, clean)); err != nil {
 				t.Fatalf("accepted path %q not readable: %v", p, err)
+			}
+		}
+		for _, e := range inside {
+			if name := e.Name(); name != DataDirName && !isVersionName(name) && !visible[name] {
+				t.Fatalf("Write(%q, %q) made %s in the mount, not a name of its payload", p1, p2, name)
 			}
 		}
 	})

@@ -11,6 +11,8 @@ import (
 	"sync"
 
 	"github.com/google/renameio/v2"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // ownedFile is the name of the record of owned mounts in the state
@@ -115,6 +117,11 @@ func (o *Owned) save() error {
 		return fmt.Errorf("state: %w", err)
 	}
 	if err := renameio.WriteFile(o.path, append(data, '\n'), 0o600); err != nil {
+		return fmt.Errorf("state: %w", err)
+	}
+	// renameio syncs the file before the rename; the rename itself is
+	// durable once the directory is synced.
+	if err := fsutil.SyncDir(filepath.Dir(o.path)); err != nil {
 		return fmt.Errorf("state: %w", err)
 	}
 	return nil

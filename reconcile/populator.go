@@ -54,7 +54,8 @@ func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
 
 // SetMounts makes mounts the configured mounts. A mount whose configuration
 // is unchanged keeps its feeds and desired state untouched; a changed one is
-// rebuilt; feeds no longer used are released. On error (a projection names
+// rebuilt, and so is an immutable one whose payload is frozen: a reload reads
+// it again. Feeds no longer used are released. On error (a projection names
 // a source the cache does not have) nothing changes.
 func (p *Populator) SetMounts(mounts []*config.Mount) error {
 	next := make(map[string]*populated, len(mounts))
@@ -65,7 +66,7 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 		}
 	}
 	for _, m := range mounts {
-		if old, ok := p.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) {
+		if old, ok := p.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) && !old.frozen {
 			next[m.Name] = old
 			continue
 		}
@@ -92,6 +93,12 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 	}
 	p.mounts = next
 	return nil
+}
+
+// SetSources replaces the source cache's sources (see
+// source.Cache.SetSources).
+func (p *Populator) SetSources(sources map[string]source.Source) {
+	p.cache.SetSources(sources)
 }
 
 // Close releases every feed.

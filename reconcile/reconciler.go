@@ -18,6 +18,7 @@ import (
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/source"
 )
 
 // Trigger wakes the reconciler. It holds one pending wake-up, so a burst of
@@ -56,6 +57,11 @@ type Options struct {
 	// against the disk; drift is repaired. Zero means
 	// config.DefaultResyncInterval.
 	ResyncInterval time.Duration
+	// Abort, when closed after Run's context is done, cuts short the
+	// operations still running: a check_command is killed (the write it
+	// guards fails and the mount keeps its content). Writes themselves are
+	// short and always finish.
+	Abort <-chan struct{}
 	// OnSync, when set, is called after every pass with the status of
 	// every desired mount, sorted by name. It runs on the reconciler's
 	// goroutine and must not block.
@@ -75,6 +81,10 @@ type Reconciler struct {
 
 	asw      *ActualState
 	runtimes map[string]*runtime
+	// opCtx is the context of operations' commands, cancelled by
+	// Options.Abort.
+	opCtx    context.Context
+	opCancel context.CancelFunc
 	results  chan result
 	reloads  chan reloadRequest
 }
@@ -105,8 +115,20 @@ type result struct {
 }
 
 type reloadRequest struct {
-	mounts []*config.Mount
-	done   chan error
+	cfg  ReloadConfig
+	done chan error
+}
+
+// ReloadConfig is what a reload changes.
+type ReloadConfig struct {
+	// Mounts are the configured mounts (see Populator.SetMounts).
+	Mounts []*config.Mount
+	// Sources, when not nil, replace the source cache's sources in the same
+	// step as Mounts, so that no pass ever sees mounts of one configuration
+	// with sources of the other.
+	Sources map[string]source.Source
+	// ResyncInterval, when positive, replaces Options.ResyncInterval.
+	ResyncInterval time.Duration
 }
 
 // New returns a reconciler whose actual state starts from owned: every
@@ -127,13 +149,15 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 	for name, rec := range owned.All() {
 		r.asw.Mounts[name] = &ActualMount{Dir: rec.Dir, Medium: rec.Medium}
 	}
+	r.opCtx, r.opCancel = context.WithCancel(context.Background())
 	return r
 }
 
-// Reload makes mounts the configured mounts (see Populator.SetMounts). It
-// returns once the loop has taken them, or ctx's error.
-func (r *Reconciler) Reload(ctx context.Context, mounts []*config.Mount) error {
-	req := reloadRequest{mounts: mounts, done: make(chan error, 1)}
+// Reload applies cfg between two passes of the loop: sources and mounts
+// together, then the resync interval. It returns once the loop has taken
+// them, with Populator.SetMounts's error, or ctx's error.
+func (r *Reconciler) Reload(ctx context.Context, cfg ReloadConfig) error {
+	req := reloadRequest{cfg: cfg, done: make(chan error, 1)}
 	select {
 	case r.reloads <- req:
 	case <-ctx.Done():
@@ -180,18 +204,39 @@ func (r *Reconciler) Run(ctx context.Context) error {
 				a.VerifyDue = true
 			}
 		case req := <-r.reloads:
-			req.done <- r.pop.SetMounts(req.mounts)
+			if req.cfg.Sources != nil {
+				r.pop.SetSources(req.cfg.Sources)
+			}
+			err := r.pop.SetMounts(req.cfg.Mounts)
+			if iv := req.cfg.ResyncInterval; err == nil && iv > 0 && iv != r.opts.ResyncInterval {
+				r.opts.ResyncInterval = iv
+				resync.Reset(iv)
+			}
+			req.done <- err
 		}
 	}
 }
 
-// shutdown waits for the operations in flight and closes every writer.
+// shutdown waits for the operations in flight, removes the versions kept
+// for readers (a stopped kvmount leaves one version per mount) and closes
+// every writer.
 func (r *Reconciler) shutdown() {
+	defer r.opCancel()
 	for len(r.asw.InFlight) > 0 {
-		r.apply(<-r.results)
+		select {
+		case res := <-r.results:
+			r.apply(res)
+		case <-r.opts.Abort:
+			r.log.Warn("stop forced: cutting short the operations in flight", "mounts", len(r.asw.InFlight))
+			r.opCancel()
+			r.opts.Abort = nil
+		}
 	}
-	for _, rt := range r.runtimes {
+	for name, rt := range r.runtimes {
 		if rt.writer != nil {
+			if err := rt.writer.RemoveReplaced(); err != nil {
+				r.log.Warn("cannot remove replaced versions; the next start does", "mount", name, "err", err)
+			}
 			rt.writer.Close()
 			rt.writer = nil
 		}
@@ -227,7 +272,11 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 	case Teardown:
 		res.err = r.teardown(op.Mount, a, rt)
 	case Verify:
-		res.drift, res.err = r.verify(op.Mount, rt)
+		spec := rt.spec
+		if d != nil {
+			spec = d.Spec // a reload may have changed check_command, min_keys, ...
+		}
+		res.drift, res.err = r.verify(op.Mount, spec, rt)
 	case Collect:
 		if rt.writer != nil {
 			_, res.err = rt.writer.Collect(time.Now())
@@ -264,7 +313,7 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
 		return projector.Change{}, err
 	}
-	rt.writer.SetCheck(checkCommand(spec))
+	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log.With("mount", name)))
 	change, err := rt.writer.Write(payload)
 	if errors.Is(err, syscall.ENOSPC) {
 		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
@@ -321,10 +370,13 @@ const checkOutputLimit = 4 << 10
 
 // checkCommand returns the Check that runs spec's check_command against a
 // new version directory ({{dir}} in an argument is its path; it also is the
-// working directory), or nil without one. The command fails the check by
-// exiting non-zero or by outliving check_timeout; its output, cut to 4 KiB,
-// goes into the error.
-func checkCommand(spec *config.Mount) func(string) error {
+// working directory), or nil without one, as check_user when set. The
+// command fails the check by exiting non-zero or by outliving
+// check_timeout. Its output, cut to 4 KiB, is logged at debug level only:
+// a check may echo the secret values it reads.
+//
+// Cancelling ctx kills a running command.
+func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(string) error {
 	if len(spec.CheckCommand) == 0 {
 		return nil
 	}
@@ -333,20 +385,27 @@ func checkCommand(spec *config.Mount) func(string) error {
 		for i, a := range spec.CheckCommand {
 			args[i] = strings.ReplaceAll(a, "{{dir}}", dir)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), spec.CheckTimeout)
+		ctx, cancel := context.WithTimeout(ctx, spec.CheckTimeout)
 		defer cancel()
 		cmd := exec.CommandContext(ctx, args[0], args[1:]...)
 		cmd.Dir = dir
+		if spec.CheckUID >= 0 {
+			cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(spec.CheckUID), Gid: uint32(spec.CheckGID)}}
+		}
 		var out limitedBuffer
 		out.limit = checkOutputLimit
 		cmd.Stdout, cmd.Stderr = &out, &out
 		cmd.WaitDelay = time.Second
 		err := cmd.Run()
-		if ctx.Err() != nil {
+		switch {
+		case errors.Is(ctx.Err(), context.DeadlineExceeded):
 			err = fmt.Errorf("timed out after %v", spec.CheckTimeout)
+		case ctx.Err() != nil:
+			err = errors.New("killed: kvmount is stopping")
 		}
+		log.Debug("check_command finished", "command", args[0], "err", err, "output", strings.TrimSpace(out.String()))
 		if err != nil {
-			return fmt.Errorf("check_command %s: %w; output: %q", args[0], err, strings.TrimSpace(out.String()))
+			return fmt.Errorf("check_command %s: %w (its output is logged at debug level)", args[0], err)
 		}
 		return nil
 	}
@@ -532,8 +591,10 @@ func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 }
 
 // verify compares the mount with the disk and, on drift, rewrites what was
-// last written. It returns the drift found and the repair's error.
-func (r *Reconciler) verify(name string, rt *runtime) (drift, err error) {
+// last written, with spec — the mount's current configuration, so that its
+// current check_command and guard rails apply to the repair. It returns the
+// drift found and the repair's error.
+func (r *Reconciler) verify(name string, spec *config.Mount, rt *runtime) (drift, err error) {
 	if rt.writer == nil || rt.written == nil {
 		return nil, nil // adopted, not yet compared: the next remount does
 	}
@@ -547,7 +608,7 @@ func (r *Reconciler) verify(name string, rt *runtime) (drift, err error) {
 	// Reopen: the directory itself may have been removed or replaced.
 	rt.writer.Close()
 	rt.writer = nil
-	_, err = r.project(name, rt.spec, rt, rt.written)
+	_, err = r.project(name, spec, rt, rt.written)
 	return drift, err
 }
 

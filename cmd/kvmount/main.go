@@ -97,7 +97,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		var cfg *config.Config
 		cfg, err = config.Load(*configPath, opts.Registry.Decoders())
 		if err == nil {
-			fmt.Fprintf(stdout, "%s: OK (%d sources, %d mounts)\n", *configPath, len(cfg.Sources), len(cfg.Mounts))
+			for _, w := range cfg.Warnings {
+				fmt.Fprintf(stderr, "warning: %v\n", w)
+			}
+			fmt.Fprintf(stdout, "%s: OK (%d sources, %d mounts, %d warnings)\n", *configPath, len(cfg.Sources), len(cfg.Mounts), len(cfg.Warnings))
 		}
 	case "once":
 		err = daemon.Once(ctx, opts, timeout)
@@ -107,13 +110,53 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		defer signal.Stop(hup)
 		opts.Reload = hup
 		opts.Notify = notifySystemd
+		abort := make(chan struct{})
+		opts.Abort = abort
+		stopWatch := watchSecondSignal(ctx, abort, stderr)
 		err = daemon.Run(ctx, opts)
+		stopWatch()
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return exitFailure
 	}
 	return exitOK
+}
+
+// watchSecondSignal closes abort when a second SIGTERM or SIGINT arrives
+// after ctx is done (the first one): the daemon then stops without waiting
+// for a check command in progress. The returned function stops watching.
+func watchSecondSignal(ctx context.Context, abort chan<- struct{}, stderr io.Writer) (stop func()) {
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	done := make(chan struct{})
+	finished := make(chan struct{})
+	go func() {
+		defer close(finished)
+		select {
+		case <-ctx.Done():
+		case <-done:
+			return
+		}
+		for seen := 0; ; {
+			select {
+			case <-sigs:
+				// The first signal is the one that ended ctx.
+				if seen++; seen == 2 {
+					fmt.Fprintln(stderr, "kvmount: second signal: stopping now")
+					close(abort)
+					return
+				}
+			case <-done:
+				return
+			}
+		}
+	}()
+	return func() {
+		signal.Stop(sigs)
+		close(done)
+		<-finished
+	}
 }
 
 // notifySystemd tells systemd of the daemon's state when it runs as a

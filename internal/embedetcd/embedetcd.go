@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"os"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -95,6 +96,19 @@ func (s *Server) Stop() {
 		s.etcd.Close()
 		s.etcd = nil
 	}
+}
+
+// Wipe removes the member's data directory, as a disk loss would; the
+// member must be stopped. The next Restart starts an empty store, at
+// revision 1, on the same ports.
+func (s *Server) Wipe() error {
+	if s.etcd != nil {
+		return errors.New("embedetcd: wipe a running member")
+	}
+	if err := os.RemoveAll(s.dir); err != nil {
+		return fmt.Errorf("embedetcd: %w", err)
+	}
+	return nil
 }
 
 // Client returns a new client of the member; the caller closes it.

@@ -27,10 +27,11 @@ var Discard = slog.New(slog.NewTextHandler(io.Discard, nil))
 // Recorder is a source.Publisher that keeps every snapshot and the last
 // status. It is safe for concurrent use.
 type Recorder struct {
-	mu      sync.Mutex
-	snaps   []source.Snapshot
-	err     error
-	changed chan struct{}
+	mu       sync.Mutex
+	snaps    []source.Snapshot
+	err      error
+	statuses int
+	changed  chan struct{}
 }
 
 // NewRecorder returns an empty Recorder.
@@ -49,8 +50,18 @@ func (r *Recorder) Publish(s source.Snapshot) {
 func (r *Recorder) Status(err error) {
 	r.mu.Lock()
 	r.err = err
+	r.statuses++
 	r.mu.Unlock()
 	r.wake()
+}
+
+// Statuses returns how many times Status was called: a source that polls
+// reports each poll that found no change this way, so a test can wait for
+// a number of polls instead of sleeping.
+func (r *Recorder) Statuses() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.statuses
 }
 
 func (r *Recorder) wake() {

@@ -95,7 +95,7 @@ func Decode(sec *config.Section) any {
 		Wait:            sec.Duration("wait", DefaultWait),
 		TLS:             sec.TLS("tls"),
 		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
-		PollInterval:    sec.Duration("poll_interval", DefaultPollInterval),
+		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
 	}
 	u, err := url.Parse(c.Address)
 	switch {
@@ -147,6 +147,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: tls: %w", err)
 	}
+	httpClient.Transport = configOnly{next: httpClient.Transport, token: cfg.Token.Reveal()}
 	client, err := api.NewClient(&api.Config{
 		Address:    u.Host,
 		Scheme:     u.Scheme,
@@ -160,6 +161,38 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
 	return &Source{name: name, cfg: cfg, log: log, client: client, transport: transport}, nil
+}
+
+// configOnly makes every request to Consul carry only what kvmount's
+// configuration says. The Consul API client fills settings the
+// configuration leaves empty from CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE,
+// CONSUL_NAMESPACE and CONSUL_PARTITION; a daemon's reads must not change
+// with the environment it happens to be started in, so the token header and
+// the ns and partition parameters are replaced by the configured ones (none
+// of the latter two: kvmount reads the default namespace and partition).
+// TLS comes from the configuration already: the HTTP client is built from
+// it, not from CONSUL_CACERT and friends.
+type configOnly struct {
+	next  http.RoundTripper
+	token string
+}
+
+// RoundTrip sends a copy of req with only the configured token, namespace
+// and partition.
+func (c configOnly) RoundTrip(req *http.Request) (*http.Response, error) {
+	req = req.Clone(req.Context())
+	q := req.URL.Query()
+	if q.Has("ns") || q.Has("partition") {
+		q.Del("ns")
+		q.Del("partition")
+		req.URL.RawQuery = q.Encode()
+	}
+	req.Header.Del("X-Consul-Token")
+	req.Header.Del("Authorization")
+	if c.token != "" {
+		req.Header.Set("X-Consul-Token", c.token)
+	}
+	return c.next.RoundTrip(req)
 }
 
 // Close releases idle connections.

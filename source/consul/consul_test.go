@@ -197,4 +197,33 @@ func TestTokenIsSentAndNeverPrinted(t *testing.T) {
 	}
 }
 
+// TestEnvironmentIsIgnored: CONSUL_* variables the Consul API client reads
+// change nothing kvmount sends.
+func TestEnvironmentIsIgnored(t *testing.T) {
+	type seen struct{ token, query, auth string }
+	var got atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store(seen{r.Header.Get("X-Consul-Token"), r.URL.RawQuery, r.Header.Get("Authorization")})
+		w.Header().Set("X-Consul-Index", "3")
+		w.WriteHeader(http.StatusNotFound)
+	}))
+	defer srv.Close()
+	envToken := t.TempDir() + "/env-token"
+	if err := writeFile(envToken, "from-env-file\n"); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CONSUL_HTTP_TOKEN", "from-env")
+	t.Setenv("CONSUL_HTTP_TOKEN_FILE", envToken)
+	t.Setenv("CONSUL_NAMESPACE", "team-a")
+	t.Setenv("CONSUL_PARTITION", "part-b")
+	t.Setenv("CONSUL_HTTP_AUTH", "user:pass")
+	c := watchConfig(strings.TrimPrefix(srv.URL, "http://"))
+	rec := follow(t, c, "x/")
+	rec.WaitFor(t, "missing prefix", sourcetest.Missing)
+	s := got.Load().(seen)
+	if s.token != "" || s.auth != "" || strings.Contains(s.query, "ns=") || strings.Contains(s.query, "partition=") {
+		t.Errorf("request carried token %q, Authorization %q, query %q; want none of the environment's", s.token, s.auth, s.query)
+	}
+}
+
 func writeFile(name, data string) error { return os.WriteFile(name, []byte(data), 0o600) }

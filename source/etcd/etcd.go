@@ -20,6 +20,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -91,7 +92,7 @@ func Decode(sec *config.Section) any {
 		Password:        sec.SecretFile("password_file"),
 		TLS:             sec.TLS("tls"),
 		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
-		PollInterval:    sec.Duration("poll_interval", DefaultPollInterval),
+		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
 	}
 	if !sec.Has("endpoints") {
 		c.Endpoints = []string{DefaultEndpoint}
@@ -234,6 +235,14 @@ var errResync = errors.New("source/etcd: resync")
 // fresh read, and keys deleted meanwhile disappear because each read is a
 // full snapshot. While the connection is in transient failure the prefix is
 // reported stale. In poll mode it re-reads every poll interval (±10 %).
+//
+// Every response header (reads, watch responses, progress notifications,
+// and a one-key read made each time the connection becomes ready again)
+// is compared with the last one: a revision lower than one already seen,
+// or a different cluster ID, means etcd lost its data or was restored from
+// a snapshot without --bump-revision. The watch would then wait silently
+// for a revision the new store reaches only much later, so the prefix is
+// read again and watched from the new revision.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
 	f := &follower{src: s, prefix: prefix, pub: pub, log: s.log.With("prefix", prefix)}
 	return f.run(ctx)
@@ -247,6 +256,30 @@ type follower struct {
 	log    *slog.Logger
 	// last is the last snapshot published, nil before the first.
 	last map[string][]byte
+	// seen is the highest revision and cluster is the cluster ID seen in
+	// a response header since the last read; 0 before the first.
+	seen    int64
+	cluster uint64
+}
+
+// observe checks a response header against what was seen before. It
+// returns an error wrapping errResync when the revision went backwards or
+// the cluster ID changed.
+func (f *follower) observe(h *etcdserverpb.ResponseHeader) error {
+	if h == nil || h.Revision == 0 {
+		return nil
+	}
+	switch {
+	case f.cluster != 0 && h.ClusterId != 0 && h.ClusterId != f.cluster:
+		return fmt.Errorf("%w: etcd cluster ID changed from %x to %x (a new or restored cluster)", errResync, f.cluster, h.ClusterId)
+	case h.Revision < f.seen:
+		return fmt.Errorf("%w: etcd revision went back from %d to %d (data lost, or restored from a snapshot without --bump-revision)", errResync, f.seen, h.Revision)
+	}
+	f.seen = h.Revision
+	if h.ClusterId != 0 {
+		f.cluster = h.ClusterId
+	}
+	return nil
 }
 
 func (f *follower) run(ctx context.Context) error {
@@ -359,6 +392,8 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 		}
 		if rev == 0 {
 			rev = resp.Header.Revision
+			// A read is the new truth: whatever was seen before.
+			f.seen, f.cluster = rev, resp.Header.ClusterId
 		}
 		for _, kv := range resp.Kvs {
 			entries[strings.TrimPrefix(string(kv.Key), f.prefix)] = kv.Value
@@ -375,9 +410,12 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 func (f *follower) watch(ctx context.Context, cli *clientv3.Client, entries map[string][]byte, rev int64) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
+	// The monitor hands the header of each reconnect probe to this loop,
+	// which alone reads and writes f.seen and f.cluster.
+	probes := make(chan *etcdserverpb.ResponseHeader, 1)
 	var g errgroup.Group
 	g.Go(func() error {
-		f.monitor(wctx, cli)
+		f.monitor(wctx, cli, probes)
 		return nil
 	})
 	defer func() {
@@ -387,7 +425,23 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, entries map[
 
 	key, end := span(f.prefix)
 	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev+1), clientv3.WithProgressNotify())
-	for resp := range wch {
+	for {
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case h := <-probes:
+			if err := f.observe(h); err != nil {
+				return err
+			}
+			continue
+		case resp, ok = <-wch:
+		}
+		if !ok {
+			break
+		}
+		if err := f.observe(&resp.Header); err != nil {
+			return err
+		}
 		if err := resp.Err(); err != nil {
 			if errors.Is(err, rpctypes.ErrCompacted) {
 				return fmt.Errorf("%w: watch compacted at revision %d", errResync, resp.CompactRevision)
@@ -447,8 +501,11 @@ func apply(entries map[string][]byte, prefix string, events []*clientv3.Event) (
 // monitor reports the prefix stale while the client's connection is in
 // transient failure, and current again once it is ready: the watch itself
 // reconnects silently and resumes where it left off, so without this an
-// etcd outage would go unreported.
-func (f *follower) monitor(ctx context.Context, cli *clientv3.Client) {
+// etcd outage would go unreported. Each time the connection becomes ready
+// again it reads one key and hands the response header to probes, so that
+// an etcd that came back with less data is noticed at once rather than at
+// the next progress notification (every 10 minutes by default).
+func (f *follower) monitor(ctx context.Context, cli *clientv3.Client, probes chan<- *etcdserverpb.ResponseHeader) {
 	conn := cli.ActiveConnection()
 	state := conn.GetState()
 	for {
@@ -458,9 +515,32 @@ func (f *follower) monitor(ctx context.Context, cli *clientv3.Client) {
 		case connectivity.Ready:
 			f.pub.Status(nil)
 		}
+		prev := state
 		if !conn.WaitForStateChange(ctx, state) {
 			return
 		}
 		state = conn.GetState()
+		if state == connectivity.Ready && prev != connectivity.Ready {
+			if h := f.probe(ctx, cli); h != nil {
+				select {
+				case probes <- h:
+				case <-ctx.Done():
+					return
+				}
+			}
+		}
 	}
+}
+
+// probe reads the prefix key itself, counting only, and returns the
+// response header; nil when the read fails (the watch reports that).
+func (f *follower) probe(ctx context.Context, cli *clientv3.Client) *etcdserverpb.ResponseHeader {
+	rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	key, _ := span(f.prefix)
+	resp, err := cli.Get(rctx, key, clientv3.WithCountOnly())
+	if err != nil {
+		return nil
+	}
+	return resp.Header
 }

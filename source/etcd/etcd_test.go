@@ -164,7 +164,8 @@ func TestPoll(t *testing.T) {
 	rec.WaitFor(t, "polled delete", sourcetest.Holds(map[string]string{"b": "3"}))
 	before, _ := rec.State()
 	etcdtest.Put(t, cli, "/elsewhere", "x") // moves the revision, changes nothing under /p/
-	time.Sleep(300 * time.Millisecond)      // about six polls
+	polls := rec.Statuses()
+	rec.WaitFor(t, "six more polls", func([]source.Snapshot, error) bool { return rec.Statuses() >= polls+6 })
 	if after, _ := rec.State(); len(after) != len(before) {
 		t.Errorf("polls without a change published %d more snapshots", len(after)-len(before))
 	}

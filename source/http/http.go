@@ -84,7 +84,7 @@ func Decode(sec *config.Section) any {
 		URL:          sec.String("url", ""),
 		Format:       sec.Choice("format", FormatJSON, FormatJSON, FormatRaw),
 		Key:          sec.String("key", ""),
-		PollInterval: sec.Duration("poll_interval", DefaultPollInterval),
+		PollInterval: sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
 		Timeout:      sec.Duration("timeout", DefaultTimeout),
 		Headers:      sec.StringMap("headers"),
 		TLS:          sec.TLS("tls"),
@@ -169,13 +169,59 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		}
 		transport.TLSClientConfig = tc
 	}
-	return &Source{
+	s := &Source{
 		name:      name,
 		cfg:       cfg,
 		log:       log,
-		client:    &http.Client{Transport: transport, Timeout: cfg.Timeout},
 		followers: map[*follower]struct{}{},
-	}, nil
+	}
+	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: s.checkRedirect}
+	return s, nil
+}
+
+// maxRedirects is how many redirects one request follows, as net/http's
+// default policy.
+const maxRedirects = 10
+
+// checkRedirect is the client's redirect policy. The configured headers
+// (headers and header_files, which may carry credentials) go only to the
+// configured origin — the same scheme, host and port as url
+// (RFC 6454 §4): a redirect elsewhere is followed without them. A redirect
+// from https to http is refused, as it would send the request, and what
+// it reveals, in clear text. net/http itself strips only Authorization,
+// WWW-Authenticate and Cookie on a redirect to another domain.
+func (s *Source) checkRedirect(req *http.Request, via []*http.Request) error {
+	if len(via) >= maxRedirects {
+		return fmt.Errorf("stopped after %d redirects", maxRedirects)
+	}
+	first := via[0].URL
+	if first.Scheme == "https" && req.URL.Scheme != "https" {
+		return fmt.Errorf("refusing a redirect from https to %s (%s)", req.URL.Scheme, redact(req.URL.String()))
+	}
+	if origin(req.URL) != origin(first) {
+		for name := range s.cfg.Headers {
+			req.Header.Del(name)
+		}
+		for name := range s.cfg.HeaderFiles {
+			req.Header.Del(name)
+		}
+	}
+	return nil
+}
+
+// origin returns scheme://host:port of u, with the scheme's default port
+// made explicit, so that "https://h" and "https://h:443" are one origin.
+func origin(u *url.URL) string {
+	port := u.Port()
+	if port == "" {
+		switch u.Scheme {
+		case "http":
+			port = "80"
+		case "https":
+			port = "443"
+		}
+	}
+	return strings.ToLower(u.Scheme) + "://" + strings.ToLower(u.Hostname()) + ":" + port
 }
 
 func tlsConfig(t config.TLS) (*tls.Config, error) {
@@ -436,8 +482,10 @@ func Flatten(body []byte) (map[string][]byte, error) {
 	if err := dec.Decode(&root); err != nil {
 		return nil, fmt.Errorf("body is not JSON: %w", err)
 	}
-	if dec.More() {
-		return nil, errors.New("body holds more than one JSON value")
+	// Anything after the value — a second value or stray bytes such as
+	// "{}}" — is an error (dec.More alone misses a stray "}" or "]").
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return nil, errors.New("body holds more than one JSON value, or bytes after it")
 	}
 	obj, ok := root.(map[string]any)
 	if !ok {

@@ -254,6 +254,7 @@ func TestFlatten(t *testing.T) {
 		`{"a/b": "1", "a": {"b": "2"}}`: `key "a/b" appears twice`,
 		`"s"`:                           `body is a JSON string`,
 		`{} {}`:                         `more than one JSON value`,
+		`{}}`:                           `bytes after it`,
 	} {
 		if _, err := Flatten([]byte(body)); err == nil || !strings.Contains(err.Error(), wantErr) {
 			t.Errorf("Flatten(%s) = %v; want %q", body, err, wantErr)
@@ -276,17 +277,32 @@ func TestNotFoundIsMissing(t *testing.T) {
 
 // TestOnePollerForEveryPrefix follows two prefixes of one source: the server
 // must see one request per poll, not one per prefix.
+// TestOnePollerForEveryPrefix: two prefixes of one source share one
+// poller. The server holds each response longer than the poll interval, so
+// two pollers would have requests in flight at once; one never does.
 func TestOnePollerForEveryPrefix(t *testing.T) {
-	srv := newServer(t, `{"a": {"x": "1"}, "b": {"y": "2"}}`)
-	src := newSource(t, &Config{URL: srv.URL, PollInterval: 200 * time.Millisecond})
+	var requests, inFlight, maxInFlight atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		n := inFlight.Add(1)
+		defer inFlight.Add(-1)
+		for m := maxInFlight.Load(); n > m && !maxInFlight.CompareAndSwap(m, n); m = maxInFlight.Load() {
+		}
+		requests.Add(1)
+		time.Sleep(150 * time.Millisecond)
+		io.WriteString(w, `{"a": {"x": "1"}, "b": {"y": "2"}}`)
+	}))
+	t.Cleanup(srv.Close)
+	src := newSource(t, &Config{URL: srv.URL, PollInterval: 100 * time.Millisecond})
 	a, b := follow(t, src, "a/"), follow(t, src, "b/")
 	a.WaitFor(t, "a", sourcetest.Holds(map[string]string{"x": "1"}))
 	b.WaitFor(t, "b", sourcetest.Holds(map[string]string{"y": "2"}))
-	start := srv.requests.Load()
-	time.Sleep(time.Second)
-	// About five polls in a second at 200 ms ±10 %; two pollers would make ten.
-	if n := srv.requests.Load() - start; n > 7 {
-		t.Errorf("%d requests in a second for two prefixes; want one poller (about 5)", n)
+	for start, deadline := requests.Load(), time.Now().Add(sourcetest.Timeout); requests.Load() < start+5; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d requests", requests.Load()-start)
+		}
+	}
+	if m := maxInFlight.Load(); m != 1 {
+		t.Errorf("%d requests in flight at once for two prefixes; want one poller", m)
 	}
 }
 
@@ -366,4 +382,68 @@ func TestTLS(t *testing.T) {
 	})
 	trusted := follow(t, newSource(t, &Config{URL: srv.URL, TLS: config.TLS{CAFile: caFile, ServerName: "example.com"}}), "")
 	trusted.WaitFor(t, "content over TLS", sourcetest.Holds(map[string]string{"a": "over tls"}))
+}
+
+// TestRedirectsKeepSecretHeadersAtHome: the configured headers follow a
+// redirect within the configured origin only; a redirect to another origin
+// is followed without them, and one from https to http is refused.
+func TestRedirectsKeepSecretHeadersAtHome(t *testing.T) {
+	elsewhere := newServer(t, `{"a": "elsewhere"}`)
+	var home *httptest.Server
+	var homeHeaders atomic.Value
+	home = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/moved-here":
+			http.Redirect(w, r, "/doc", http.StatusFound)
+		case "/doc":
+			homeHeaders.Store(r.Header.Clone())
+			io.WriteString(w, `{"a": "home"}`)
+		case "/moved-away":
+			http.Redirect(w, r, elsewhere.URL+"/doc", http.StatusFound)
+		}
+	}))
+	t.Cleanup(home.Close)
+	tokenFile := t.TempDir() + "/token"
+	if err := os.WriteFile(tokenFile, []byte("s3cr3t\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfgFor := func(url string) *Config {
+		toml := fmt.Sprintf("[sources.web]\ntype = \"http\"\nurl = %q\nheaders = { X-Env = \"prod\" }\nheader_files = { X-Token = %q }\n", url, tokenFile)
+		cfg, err := config.Parse("h.toml", []byte(toml), map[string]config.SourceDecoder{"http": Decode})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cfg.Sources["web"].Settings.(*Config)
+	}
+
+	rec := follow(t, newSource(t, cfgFor(home.URL+"/moved-here")), "")
+	rec.WaitFor(t, "same origin", sourcetest.Holds(map[string]string{"a": "home"}))
+	if h, _ := homeHeaders.Load().(http.Header); h.Get("X-Token") != "s3cr3t" || h.Get("X-Env") != "prod" {
+		t.Errorf("same-origin redirect: headers %v; want X-Token and X-Env kept", h)
+	}
+
+	rec = follow(t, newSource(t, cfgFor(home.URL+"/moved-away")), "")
+	rec.WaitFor(t, "other origin", sourcetest.Holds(map[string]string{"a": "elsewhere"}))
+	elsewhere.mu.Lock()
+	got := elsewhere.headers
+	elsewhere.mu.Unlock()
+	if got.Get("X-Token") != "" || got.Get("X-Env") != "" {
+		t.Errorf("redirect to another origin sent %v; want neither X-Token nor X-Env", got)
+	}
+
+	tlsHome := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, elsewhere.URL+"/doc", http.StatusFound)
+	}))
+	t.Cleanup(tlsHome.Close)
+	cfg := cfgFor(tlsHome.URL)
+	src := newSource(t, cfg)
+	src.client.Transport.(*http.Transport).TLSClientConfig = tlsHome.Client().Transport.(*http.Transport).TLSClientConfig
+	before := elsewhere.requests.Load()
+	rec = follow(t, src, "")
+	rec.WaitFor(t, "https to http refused", func(_ []source.Snapshot, err error) bool {
+		return err != nil && strings.Contains(err.Error(), "refusing a redirect from https to http")
+	})
+	if n := elsewhere.requests.Load() - before; n != 0 {
+		t.Errorf("the http server got %d requests after an https redirect", n)
+	}
 }
