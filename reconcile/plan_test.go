@@ -82,6 +82,14 @@ func TestPlan(t *testing.T) {
 			heldBack: map[string]*HeldBack{"a": {Generation: 4}}, want: "[verify a]"},
 		{name: "next generation after a hold-back is tried", dsw: DesiredState{"a": ready("/a", 5)},
 			mounts: map[string]*ActualMount{"a": actual("/a", 3)}, heldBack: map[string]*HeldBack{"a": {Generation: 4}}, want: "[remount a]"},
+		{name: "replaced versions due are collected", dsw: DesiredState{"a": ready("/a", 3)},
+			mounts: map[string]*ActualMount{"a": {Dir: "/a", Medium: "disk", Generation: 3, CollectAt: now}}, want: "[collect a]"},
+		{name: "replaced versions not yet due: a retry time", dsw: DesiredState{"a": ready("/a", 3)},
+			mounts: map[string]*ActualMount{"a": {Dir: "/a", Medium: "disk", Generation: 3, CollectAt: now.Add(5 * time.Second)}}, want: "[]", wantRetry: now.Add(5 * time.Second)},
+		{name: "remount wins over collect", dsw: DesiredState{"a": ready("/a", 4)},
+			mounts: map[string]*ActualMount{"a": {Dir: "/a", Medium: "disk", Generation: 3, CollectAt: now}}, want: "[remount a]"},
+		{name: "collect while the source is down", dsw: DesiredState{"a": waiting("/a", 3)},
+			mounts: map[string]*ActualMount{"a": {Dir: "/a", Medium: "disk", Generation: 3, CollectAt: now}}, want: "[collect a]"},
 		{name: "sorted by name", dsw: DesiredState{"c": ready("/c", 1), "a": ready("/a", 1)}, mounts: map[string]*ActualMount{"b": actual("/b", 1)},
 			want: "[setup a teardown b setup c]"},
 	}
@@ -111,6 +119,8 @@ func TestPlan(t *testing.T) {
 	}
 }
 
+// TestBackoffDelay: the kubelet's schedule, 500 ms doubling to 2 min 2 s
+// (README "What happens when things go wrong").
 func TestBackoffDelay(t *testing.T) {
 	tests := []struct {
 		n    int

@@ -13,13 +13,46 @@ import (
 	"github.com/kvmount/kvmount/source"
 )
 
+// FeedCache is what the populator needs of the source cache
+// (*source.Cache, through NewPopulator): one shared feed per (source,
+// prefix), acquired and released, and the sources replaced on reload.
+type FeedCache interface {
+	// Acquire returns the feed of (source, prefix); each needs a Release.
+	Acquire(source, prefix string) (Feed, error)
+	// Release gives up one use of f.
+	Release(f Feed)
+	// SetSources replaces the sources.
+	SetSources(sources map[string]source.Source)
+}
+
+// Feed is one (source, prefix) as the populator reads it.
+type Feed interface {
+	// State returns the last snapshot and the source's health.
+	State() source.FeedState
+}
+
+// sourceCache adapts *source.Cache to FeedCache.
+type sourceCache struct{ c *source.Cache }
+
+func (s sourceCache) Acquire(src, prefix string) (Feed, error) {
+	f, err := s.c.Acquire(src, prefix)
+	if err != nil {
+		return nil, err
+	}
+	return f, nil
+}
+
+func (s sourceCache) Release(f Feed) { s.c.Release(f.(*source.Feed)) }
+
+func (s sourceCache) SetSources(sources map[string]source.Source) { s.c.SetSources(sources) }
+
 // Populator builds the desired state of world from the configured mounts
 // and the snapshots of their feeds (the kubelet's
 // desiredStateOfWorldPopulator). It holds one feed per projection from the
 // source cache. It is not safe for concurrent use: the reconciler's loop
 // owns it.
 type Populator struct {
-	cache  *source.Cache
+	cache  FeedCache
 	log    *slog.Logger
 	mounts map[string]*populated
 	// generation numbers desired payloads; it only grows, across mounts.
@@ -29,7 +62,7 @@ type Populator struct {
 // populated is the populator's record of one mount.
 type populated struct {
 	spec  *config.Mount
-	feeds []*source.Feed // one per projection
+	feeds []Feed // one per projection
 	// snapshots and versions are the feed states the desired mount was
 	// built from.
 	snapshots []*source.Snapshot
@@ -49,6 +82,12 @@ type populated struct {
 
 // NewPopulator returns a populator with no mounts, reading feeds from cache.
 func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
+	return NewPopulatorFor(sourceCache{cache}, log)
+}
+
+// NewPopulatorFor returns a populator with no mounts, reading feeds from
+// any FeedCache, such as a test's.
+func NewPopulatorFor(cache FeedCache, log *slog.Logger) *Populator {
 	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}}
 }
 
@@ -59,7 +98,7 @@ func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
 // a source the cache does not have) nothing changes.
 func (p *Populator) SetMounts(mounts []*config.Mount) error {
 	next := make(map[string]*populated, len(mounts))
-	var acquired []*source.Feed
+	var acquired []Feed
 	undo := func() {
 		for _, f := range acquired {
 			p.cache.Release(f)

@@ -1,0 +1,227 @@
+package reconcile
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/source"
+)
+
+// fakeFeed is a feed whose state the test sets.
+type fakeFeed struct {
+	mu    sync.Mutex
+	state source.FeedState
+}
+
+func (f *fakeFeed) State() source.FeedState {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.state
+}
+
+// publish sets a new snapshot of entries (nil: a missing prefix).
+func (f *fakeFeed) publish(rev string, entries map[string]string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s := &source.Snapshot{Revision: rev, Missing: len(entries) == 0, Entries: map[string][]byte{}}
+	for k, v := range entries {
+		s.Entries[k] = []byte(v)
+	}
+	f.state = source.FeedState{Snapshot: s, Version: f.state.Version + 1}
+}
+
+// fail sets the source's health.
+func (f *fakeFeed) fail(err error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.state.Err = err
+	f.state.Version++
+}
+
+// fakeCache hands out one fakeFeed per (source, prefix) and counts uses.
+type fakeCache struct {
+	mu    sync.Mutex
+	feeds map[string]*fakeFeed
+	refs  map[string]int
+	log   []string // "acquire s p" / "release s p"
+}
+
+func newFakeCache() *fakeCache {
+	return &fakeCache{feeds: map[string]*fakeFeed{}, refs: map[string]int{}}
+}
+
+func (c *fakeCache) feed(src, prefix string) *fakeFeed {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	key := src + " " + prefix
+	if c.feeds[key] == nil {
+		c.feeds[key] = &fakeFeed{}
+	}
+	return c.feeds[key]
+}
+
+func (c *fakeCache) Acquire(src, prefix string) (Feed, error) {
+	if src == "unknown" {
+		return nil, errors.New("source: unknown source \"unknown\"")
+	}
+	f := c.feed(src, prefix)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.refs[src+" "+prefix]++
+	c.log = append(c.log, "acquire "+src+" "+prefix)
+	return f, nil
+}
+
+func (c *fakeCache) Release(f Feed) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for key, ff := range c.feeds {
+		if ff == f {
+			c.refs[key]--
+			c.log = append(c.log, "release "+key)
+		}
+	}
+}
+
+func (c *fakeCache) SetSources(map[string]source.Source) {}
+
+// takeLog returns and clears the acquire/release log.
+func (c *fakeCache) takeLog() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := strings.Join(c.log, "; ")
+	c.log = nil
+	return out
+}
+
+var discard = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func testMount(name, prefix string, opts ...func(*config.Mount)) *config.Mount {
+	m := &config.Mount{Name: name, Dir: "/srv/" + name, Medium: config.MediumDisk, DefaultMode: 0o644, DirMode: 0o755, UID: -1, GID: -1,
+		Projections: []config.Projection{{Source: "main", Prefix: prefix}}}
+	for _, o := range opts {
+		o(m)
+	}
+	return m
+}
+
+// describe renders a desired mount for comparison.
+func describeDesired(d *DesiredMount) string {
+	var files []string
+	for _, p := range d.Payload.Paths() {
+		files = append(files, p+"="+string(d.Payload[p].Data))
+	}
+	s := fmt.Sprintf("gen=%d ready=%v files=%v", d.Generation, d.Ready(), files)
+	if len(d.Waiting) > 0 {
+		s += fmt.Sprintf(" waiting=%v", d.Waiting)
+	}
+	if len(d.Stale) > 0 {
+		s += " stale"
+	}
+	if d.Err != nil {
+		s += " err=" + d.Err.Error()
+	}
+	return s
+}
+
+// TestPopulator walks one mount through the populator's rules, step by
+// step: what the desired state is after each change of its feed.
+func TestPopulator(t *testing.T) {
+	cache := newFakeCache()
+	p := NewPopulatorFor(cache, discard)
+	if err := p.SetMounts([]*config.Mount{testMount("app", "/app/")}); err != nil {
+		t.Fatal(err)
+	}
+	feed := cache.feed("main", "/app/")
+	steps := []struct {
+		name   string
+		change func()
+		want   string
+	}{
+		{"waiting for the first snapshot", func() {}, "gen=0 ready=false files=[] waiting=[main]"},
+		{"first snapshot", func() { feed.publish("1", map[string]string{"a": "1"}) }, "gen=1 ready=true files=[a=1]"},
+		{"nothing changed", func() {}, "gen=1 ready=true files=[a=1]"},
+		{"source down: same payload and generation, stale", func() { feed.fail(errors.New("unreachable")) }, "gen=1 ready=true files=[a=1] stale"},
+		{"source back", func() { feed.fail(nil) }, "gen=1 ready=true files=[a=1]"},
+		{"new snapshot: new generation", func() { feed.publish("2", map[string]string{"a": "2", "b/c": "3"}) }, "gen=2 ready=true files=[a=2 b/c=3]"},
+		{"prefix gone: an error, no payload", func() { feed.publish("3", nil) }, `gen=3 ready=false files=[] err=mount "app": source "main": prefix "/app/" does not exist`},
+		{"a rejected key is skipped", func() { feed.publish("4", map[string]string{"ok": "1", "../x": "2"}) }, "gen=4 ready=true files=[ok=1]"},
+	}
+	for _, s := range steps {
+		s.change()
+		if got := describeDesired(p.Populate()["app"]); got != s.want {
+			t.Errorf("%s: %s; want %s", s.name, got, s.want)
+		}
+	}
+}
+
+// TestPopulatorSetMounts: unchanged mounts keep their feeds, changed ones
+// are rebuilt, removed ones release theirs, an unknown source changes
+// nothing, and an immutable mount releases its feed once built and
+// acquires it again on reload.
+func TestPopulatorSetMounts(t *testing.T) {
+	cache := newFakeCache()
+	p := NewPopulatorFor(cache, discard)
+	set := func(mounts ...*config.Mount) error { return p.SetMounts(mounts) }
+	if err := set(testMount("a", "/a/"), testMount("b", "/b/")); err != nil {
+		t.Fatal(err)
+	}
+	if got := cache.takeLog(); got != "acquire main /a/; acquire main /b/" {
+		t.Errorf("first SetMounts: %s", got)
+	}
+	if err := set(testMount("a", "/a/"), testMount("b", "/b2/")); err != nil {
+		t.Fatal(err)
+	}
+	if got := cache.takeLog(); got != "acquire main /b2/; release main /b/" {
+		t.Errorf("b changed: %s; want its new feed acquired and the old released, a untouched", got)
+	}
+	bad := testMount("c", "/c/")
+	bad.Projections[0].Source = "unknown"
+	if err := set(testMount("a", "/a/"), bad); err == nil {
+		t.Errorf("SetMounts with an unknown source = nil; want an error")
+	}
+	if got := cache.takeLog(); got != "" {
+		t.Errorf("a failed SetMounts changed feeds: %s", got)
+	}
+	imm := func(m *config.Mount) { m.Immutable = true }
+	if err := set(testMount("a", "/a/"), testMount("i", "/i/", imm)); err != nil {
+		t.Fatal(err)
+	}
+	cache.takeLog()
+	cache.feed("main", "/i/").publish("1", map[string]string{"k": "1"})
+	if got := describeDesired(p.Populate()["i"]); got != "gen=1 ready=true files=[k=1]" {
+		t.Errorf("immutable: %s", got)
+	}
+	if got := cache.takeLog(); got != "release main /i/" {
+		t.Errorf("immutable mount built: %s; want its feed released", got)
+	}
+	cache.feed("main", "/i/").publish("2", map[string]string{"k": "2"})
+	if got := describeDesired(p.Populate()["i"]); got != "gen=1 ready=true files=[k=1]" {
+		t.Errorf("immutable after a change: %s; want it frozen", got)
+	}
+	if err := set(testMount("a", "/a/"), testMount("i", "/i/", imm)); err != nil {
+		t.Fatal(err)
+	}
+	if got := cache.takeLog(); got != "acquire main /i/" {
+		t.Errorf("reload of an immutable mount: %s; want its feed acquired again", got)
+	}
+	if got := describeDesired(p.Populate()["i"]); !strings.Contains(got, "files=[k=2]") {
+		t.Errorf("immutable after reload: %s; want k=2", got)
+	}
+	p.Close()
+	for key, n := range cache.refs {
+		if n != 0 {
+			t.Errorf("%s still has %d uses after Close", key, n)
+		}
+	}
+	if log := strings.Split(cache.takeLog(), "; "); !slices.Contains(log, "release main /a/") {
+		t.Errorf("Close released %v", log)
+	}
+}

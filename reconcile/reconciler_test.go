@@ -1,0 +1,149 @@
+package reconcile
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+)
+
+// reconcilerRun is a Reconciler running over a fake cache and real
+// directories, with the status of every pass recorded.
+type reconcilerRun struct {
+	t       *testing.T
+	cache   *fakeCache
+	trigger Trigger
+	rec     *Reconciler
+	base    string
+
+	mu     sync.Mutex
+	status map[string]MountStatus
+}
+
+func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
+	t.Helper()
+	base := t.TempDir()
+	owned, err := LoadOwned(filepath.Join(base, "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &reconcilerRun{t: t, cache: newFakeCache(), trigger: NewTrigger(), base: base, status: map[string]MountStatus{}}
+	for _, m := range mounts {
+		m.Dir = filepath.Join(base, "mnt", m.Name)
+	}
+	pop := NewPopulatorFor(r.cache, discard)
+	if err := pop.SetMounts(mounts); err != nil {
+		t.Fatal(err)
+	}
+	r.rec = New(pop, owned, r.trigger, discard, Options{ResyncInterval: time.Hour, OnSync: func(st []MountStatus) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.status = map[string]MountStatus{}
+		for _, s := range st {
+			r.status[s.Name] = s
+		}
+	}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.rec.Run(ctx) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run = %v", err)
+		}
+	})
+	return r
+}
+
+// publish sets a feed's snapshot and wakes the reconciler.
+func (r *reconcilerRun) publish(prefix string, entries map[string]string) {
+	r.cache.feed("main", prefix).publish("r", entries)
+	r.trigger.Fire()
+}
+
+// wait waits until the status of mount satisfies cond.
+func (r *reconcilerRun) wait(mount, what string, cond func(MountStatus) bool) {
+	r.t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		r.mu.Lock()
+		st, ok := r.status[mount]
+		r.mu.Unlock()
+		if ok && cond(st) {
+			return
+		}
+		if time.Now().After(deadline) {
+			r.t.Fatalf("mount %s: never %s; last status %+v", mount, what, st)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+func projected(st MountStatus) bool { return st.Projected }
+
+func (r *reconcilerRun) read(mount, path string) string {
+	data, _ := os.ReadFile(filepath.Join(r.base, "mnt", mount, path))
+	return string(data)
+}
+
+// TestReconcilerFailureStaysWithItsMount: one mount whose directory holds
+// foreign files fails and backs off; the other is projected and follows
+// its changes; a reload that removes the failing mount settles everything.
+func TestReconcilerFailureStaysWithItsMount(t *testing.T) {
+	good, bad := testMount("good", "/g/"), testMount("bad", "/b/")
+	r := startReconciler(t, good, bad)
+	if err := os.MkdirAll(bad.Dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(bad.Dir, "theirs"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r.publish("/g/", map[string]string{"a": "1"})
+	r.publish("/b/", map[string]string{"a": "1"})
+	r.wait("good", "projected", projected)
+	r.wait("bad", "failed", func(st MountStatus) bool { return st.Err != nil && strings.Contains(st.Err.Error(), "did not write") })
+	for i := 2; i <= 4; i++ {
+		v := string(rune('0' + i))
+		r.publish("/g/", map[string]string{"a": v})
+		r.wait("good", "updated", func(st MountStatus) bool { return st.Projected && r.read("good", "a") == v })
+	}
+	if err := r.rec.Reload(context.Background(), ReloadConfig{Mounts: []*config.Mount{good}}); err != nil {
+		t.Fatal(err)
+	}
+	r.wait("good", "still projected", projected)
+	if got := r.read("bad", "theirs"); got != "x" {
+		t.Errorf("the foreign file of the failed mount = %q; want it untouched", got)
+	}
+}
+
+// TestReconcilerTearsDownRemovedMounts: a mount removed by a reload is torn
+// down — its files and the directory kvmount created are gone.
+func TestReconcilerTearsDownRemovedMounts(t *testing.T) {
+	keep, gone := testMount("keep", "/k/"), testMount("gone", "/x/")
+	r := startReconciler(t, keep, gone)
+	r.publish("/k/", map[string]string{"a": "1"})
+	r.publish("/x/", map[string]string{"b": "2"})
+	r.wait("gone", "projected", projected)
+	r.wait("keep", "projected", projected)
+	if err := r.rec.Reload(context.Background(), ReloadConfig{Mounts: []*config.Mount{keep}}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, err := os.Lstat(gone.Dir); os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still exists after its mount was removed", gone.Dir)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	if got := r.read("keep", "a"); got != "1" {
+		t.Errorf("kept mount holds %q", got)
+	}
+}
