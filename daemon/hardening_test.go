@@ -191,3 +191,52 @@ func TestSymlinkedMountDirIsRefusedAtSetup(t *testing.T) {
 		t.Errorf("mode behind the symlink changed to %v", info.Mode().Perm())
 	}
 }
+
+// waitNotified waits for the daemon to tell systemd state.
+func (h *harness) waitNotified(state string) {
+	h.t.Helper()
+	deadline := time.After(waitTimeout)
+	for {
+		select {
+		case s := <-h.notified:
+			if s == state {
+				return
+			}
+		case <-deadline:
+			h.t.Fatalf("the daemon never reported %q", state)
+		}
+	}
+}
+
+// TestLogLevelOnReload: a reload applies a new log_level at once.
+func TestLogLevelOnReload(t *testing.T) {
+	h := newHarness(t)
+	h.put("/ll/a", "1")
+	h.writeConfig(h.mount("ll", "/ll/"))
+	h.start()
+	dir := h.path("mnt", "ll")
+	h.waitContent(dir, map[string]string{"a": "1"})
+	h.waitReady()
+	data, err := os.ReadFile(h.config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(h.config, []byte(strings.Replace(string(data), `log_level = "debug"`, `log_level = "error"`, 1)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.sighup()
+	h.waitNotified("reloading")
+	h.waitNotified("ready")
+	h.put("/ll/a", "2") // revision 3, projected at log_level error
+	h.waitContent(dir, map[string]string{"a": "2"})
+	h.writeConfig(h.mount("ll", "/ll/")) // back to debug
+	h.sighup()
+	h.waitNotified("reloading")
+	h.waitNotified("ready")
+	h.put("/ll/a", "3") // revision 4
+	h.waitContent(dir, map[string]string{"a": "3"})
+	h.waitLog("msg=projected", "revision=main@4")
+	if n := h.logs.Count("msg=projected", "revision=main@3"); n != 0 {
+		t.Errorf("revision 3 was logged at info level %d times under log_level error", n)
+	}
+}

@@ -155,3 +155,45 @@ check_timeout = "5m"
 	}
 	checkOneVersion(t, e.dir("app"))
 }
+
+// TestSIGTERMFinishesTheWriteInProgress: SIGTERM while a write waits for
+// its check_command: the daemon waits for the command, switches to the new
+// version and exits 0.
+func TestSIGTERMFinishesTheWriteInProgress(t *testing.T) {
+	e := newEnv(t)
+	e.put("/app/a", "1")
+	cfg := fmt.Sprintf(`state_dir = %q
+[sources.main]
+type = "etcd"
+endpoints = [%q]
+[[mount]]
+name = "app"
+dir = %q
+source = "main"
+prefix = "/app/"
+check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 1"]
+`, filepath.Join(e.base, "state"), e.etcd.Endpoint(), e.dir("app"))
+	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd, logs := e.start("run")
+	waitFile(t, filepath.Join(e.dir("app"), "a"), "1")
+	e.put("/app/slow", "x")
+	deadline := time.Now().Add(waitTimeout)
+	for !childRunning(cmd.Process.Pid, "sleep", "1") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the check command never started; logs:\n%s", logs)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit %v after SIGTERM; logs:\n%s", err, logs)
+	}
+	if data, err := os.ReadFile(filepath.Join(e.dir("app"), "slow")); err != nil || string(data) != "x" {
+		t.Errorf("the write in progress at SIGTERM did not finish: slow = %q, %v; logs:\n%s", data, err, logs)
+	}
+	checkOneVersion(t, e.dir("app"))
+}

@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -114,6 +115,40 @@ func TestMisbehavingServerCannotMakeItSpin(t *testing.T) {
 	time.Sleep(time.Second) // the span over which queries are counted
 	if n := queries.Load(); n > idleBurst+2 {
 		t.Errorf("%d queries in about a second; the rate limit allows %d", n, idleBurst+2)
+	}
+}
+
+// TestFailedQueryResetsTheIndex: after a failed query the next one is a
+// fresh read without an index (an agent restarted without its data may
+// have reset every index), never a blocking query on the old index.
+func TestFailedQueryResetsTheIndex(t *testing.T) {
+	var mu sync.Mutex
+	var indexes []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		indexes = append(indexes, r.URL.Query().Get("index"))
+		n := len(indexes)
+		mu.Unlock()
+		if n == 2 {
+			http.Error(w, "agent restarting", http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("X-Consul-Index", "7")
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":7}]`)
+		if n > 2 && r.URL.Query().Get("index") != "" {
+			<-r.Context().Done() // a real blocking query
+		}
+	}))
+	defer srv.Close()
+	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "m/")
+	rec.WaitFor(t, "snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "the failure", sourcetest.Failing)
+	rec.WaitFor(t, "recovery", sourcetest.Healthy)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(indexes) < 3 || indexes[0] != "" || indexes[1] != "7" || indexes[2] != "" {
+		t.Errorf("query indexes %q; want a fresh read, a blocking query on 7, then (after the failure) a fresh read", indexes)
 	}
 }
 

@@ -224,6 +224,10 @@ func usesTLS(endpoints []string) bool {
 // that follows it, to make the watch start from a compacted revision.
 var testHookAfterList func()
 
+// testHookAfterPage, when set by a test, runs after each page of a read
+// but the last, to write while the read is under way.
+var testHookAfterPage func()
+
 // errResync ends a watch that must be replaced by a fresh read at once,
 // such as after compaction (etcd ErrCompacted).
 var errResync = errors.New("source/etcd: resync")
@@ -400,6 +404,9 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
 			return entries, rev, nil
+		}
+		if testHookAfterPage != nil {
+			testHookAfterPage()
 		}
 		key = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}

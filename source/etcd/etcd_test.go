@@ -94,6 +94,50 @@ func TestLargePrefix(t *testing.T) {
 	})
 }
 
+// TestPagesReadAtOneRevision writes to every key of a 2,500-key prefix
+// while the follower reads it in pages: the first snapshot holds the
+// values of one revision only (the read is pinned), and the write arrives
+// whole through the watch.
+func TestPagesReadAtOneRevision(t *testing.T) {
+	srv, cli := etcdtest.Start(t)
+	const n = 2500 // three pages
+	put := func(v string) {
+		var kv []string
+		for i := range n {
+			kv = append(kv, fmt.Sprintf("/pg/k%05d", i), v)
+		}
+		for i := 0; i < len(kv); i += 2 * 100 { // etcd takes at most 128 operations per transaction
+			etcdtest.Put(t, cli, kv[i:min(i+200, len(kv))]...)
+		}
+	}
+	put("old")
+	var once sync.Once
+	pages := 0
+	testHookAfterPage = func() {
+		pages++
+		once.Do(func() { put("new") })
+	}
+	t.Cleanup(func() { testHookAfterPage = nil })
+	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/pg/")
+	rec.WaitFor(t, "first snapshot", func(snaps []source.Snapshot, _ error) bool { return len(snaps) > 0 })
+	snaps, _ := rec.State()
+	values := map[string]int{}
+	for _, v := range snaps[0].Entries {
+		values[string(v)]++
+	}
+	if len(snaps[0].Entries) != n || values["old"] != n {
+		t.Errorf("first snapshot: %d keys, values %v; want %d keys all \"old\" (one revision)", len(snaps[0].Entries), values, n)
+	}
+	if pages < 2 {
+		t.Errorf("the read took %d pages; want several", pages+1)
+	}
+	want := map[string]string{}
+	for i := range n {
+		want[fmt.Sprintf("k%05d", i)] = "new"
+	}
+	rec.WaitFor(t, "the writes made during the read", sourcetest.Holds(want))
+}
+
 // TestCompactionRereads compacts the revision the watch would start from:
 // the follower must re-read the prefix, and keys deleted meanwhile must be
 // gone from the next snapshot.
