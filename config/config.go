@@ -180,7 +180,8 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 		}
 		return nil, ErrorList{{File: name, Msg: err.Error()}}
 	}
-	doc := &document{file: name, lines: locateKeys(string(data))}
+	lines, complete := locateKeys(string(data))
+	doc := &document{file: name, src: string(data), lines: lines, complete: complete}
 	top := newSection(doc, nil, "", raw)
 	cfg := &Config{Path: name, Sources: map[string]*Source{}}
 	cfg.StateDir = top.String("state_dir", DefaultStateDir)

@@ -270,6 +270,33 @@ dir = "/srv/a"
 	}
 }
 
+// TestMultiLineInlineTable: keys inside and after an inline table that
+// spans lines (TOML 1.1) carry their own lines.
+func TestMultiLineInlineTable(t *testing.T) {
+	src := "[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"s\"\nprefix = \"b/\"\ntls = {\n  # a comment\n  ca = \"x\",\n  bogus = 1,\n}\nprefx = 1\n"
+	_, err := Parse("k.toml", []byte(src), testKinds)
+	for _, want := range []string{"k.toml:8: mount[0].tls: unknown key", "k.toml:13: mount[0].prefx: unknown key"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("errors %v; want %q", err, want)
+		}
+	}
+}
+
+// TestSearchLine: the fallback that finds a key's line by its text when
+// the locator stopped early.
+func TestSearchLine(t *testing.T) {
+	src := "[[mount]]\nname = \"a\"\n[[mount]]\n  name=\"b\"\n  \"quoted\" = 1\n  dotted.key = 2\n"
+	for _, tt := range []struct {
+		from int
+		key  string
+		want int
+	}{{1, "name", 2}, {3, "name", 4}, {1, "quoted", 5}, {1, "dotted", 6}, {1, "missing", 0}} {
+		if got := searchLine(src, tt.from, tt.key); got != tt.want {
+			t.Errorf("searchLine(from %d, %q) = %d; want %d", tt.from, tt.key, got, tt.want)
+		}
+	}
+}
+
 // TestWarnings: a prefix without a trailing "/" is valid, with a warning
 // at its line.
 func TestWarnings(t *testing.T) {
@@ -327,7 +354,10 @@ type = "etcd"
 lit = '''a''''
 after = 1
 `
-	lines := locateKeys(src)
+	lines, complete := locateKeys(src)
+	if !complete {
+		t.Errorf("the locator stopped early")
+	}
 	tests := []struct {
 		path []string
 		want int
@@ -379,6 +409,7 @@ func FuzzParse(f *testing.F) {
 	f.Add(validConfig)
 	f.Add("[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"a\"\n")
 	f.Add("a = [\n{ b = 1 },\n]\n[[x]]\n[[x.y]]\nz = '''\n'''\n")
+	f.Add("[[mount]]\nname = \"b\"\nw = {\n  a = 1,\n}\nprefx = 1\n")
 	f.Fuzz(func(t *testing.T, src string) {
 		cfg, err := Parse("f.toml", []byte(src), testKinds)
 		if err == nil {
@@ -394,6 +425,9 @@ func FuzzParse(f *testing.F) {
 		for _, e := range list {
 			if e.File != "f.toml" {
 				t.Fatalf("error %v does not name the file", e)
+			}
+			if strings.HasPrefix(e.Msg, "unknown key") && e.Line == 0 {
+				t.Fatalf("unknown key error without a line: %v\nin:\n%s", e, src)
 			}
 		}
 	})

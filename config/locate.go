@@ -17,18 +17,41 @@ func pathKey(path []string) string { return strings.Join(path, "\x00") }
 
 // locateKeys scans a TOML document that has already parsed and records the
 // line of every key. It understands comments, all four string forms, arrays,
-// inline tables, table headers and arrays of tables. Should it meet anything
-// it does not expect, it stops; the keys found so far keep their lines.
-func locateKeys(src string) (lines keyLines) {
+// inline tables (on one line or several), table headers and arrays of
+// tables. Should it meet anything it does not expect, it stops and reports
+// complete = false; the keys found so far keep their lines, and lineOf finds
+// the others by a plain text search.
+func locateKeys(src string) (lines keyLines, complete bool) {
 	l := &locator{src: src, line: 1, lines: keyLines{}, arrays: map[string]int{}}
 	lines = l.lines
 	defer func() {
-		// A scanner bug must never break config loading; lines are a
-		// courtesy, the parse already succeeded.
+		// A scanner bug must never break config loading: the parse
+		// already succeeded. complete stays false.
 		_ = recover()
 	}()
 	l.document()
-	return lines
+	return lines, true
+}
+
+// searchLine returns the first line at or after line from (1-based) whose
+// text starts with key followed by "=" or ".", as a key definition does; 0
+// when there is none. It is the fallback for keys the locator did not reach.
+func searchLine(src string, from int, key string) int {
+	for i, text := range strings.Split(src, "\n") {
+		if i+1 < from {
+			continue
+		}
+		text = strings.TrimSpace(text)
+		text = strings.TrimPrefix(strings.TrimPrefix(text, "{"), ",")
+		for _, k := range []string{key, strconv.Quote(key), "'" + key + "'"} {
+			if rest, ok := strings.CutPrefix(strings.TrimSpace(text), k); ok {
+				if rest = strings.TrimSpace(rest); strings.HasPrefix(rest, "=") || strings.HasPrefix(rest, ".") {
+					return i + 1
+				}
+			}
+		}
+	}
+	return 0
 }
 
 type locator struct {
@@ -73,6 +96,9 @@ func (l *locator) document() {
 // arrayHeader opens a new element of the array of tables named key.
 func (l *locator) arrayHeader(key []string) {
 	parent := l.resolve(key[:len(key)-1])
+	for i := 1; i <= len(parent); i++ {
+		l.record(parent[:i], l.line)
+	}
 	name := l.join(parent, key[len(key)-1:])
 	l.record(name, l.line)
 	n := l.arrays[pathKey(name)]
@@ -83,7 +109,10 @@ func (l *locator) arrayHeader(key []string) {
 
 func (l *locator) tableHeader(key []string) {
 	l.table = l.resolve(key)
-	l.record(l.table, l.line)
+	// [a.b] also defines a, implicitly, at this line if nowhere before.
+	for i := 1; i <= len(l.table); i++ {
+		l.record(l.table[:i], l.line)
+	}
 }
 
 // resolve turns a dotted name into a path, numbering each array of tables it
@@ -146,9 +175,11 @@ func (l *locator) value(path []string) {
 			}
 		}
 	case rest[0] == '{':
+		// TOML 1.1 (which BurntSushi/toml reads) lets an inline table
+		// span lines, with comments and a trailing comma.
 		l.pos++
 		for {
-			l.skipBlank(false)
+			l.skipBlank(true)
 			if l.peek('}') {
 				l.pos++
 				return
@@ -156,10 +187,10 @@ func (l *locator) value(path []string) {
 			line := l.line
 			key := l.join(path, l.key())
 			l.record(key, line)
-			l.skipBlank(false)
+			l.skipBlank(true)
 			l.expect("=")
 			l.value(key)
-			l.skipBlank(false)
+			l.skipBlank(true)
 			if l.peek(',') {
 				l.pos++
 			}

@@ -14,7 +14,9 @@ import (
 // problems found so far.
 type document struct {
 	file     string
+	src      string
 	lines    keyLines
+	complete bool // the locator read the whole file
 	errs     ErrorList
 	warnings ErrorList
 }
@@ -53,12 +55,19 @@ func (s *Section) Has(key string) bool {
 // Line returns the line of key, or of the section when key is "" or has no
 // known line.
 func (s *Section) Line(key string) int {
+	section := s.doc.lines[pathKey(s.path)]
 	if key != "" {
 		if line, ok := s.doc.lines[pathKey(append(slices.Clone(s.path), key))]; ok {
 			return line
 		}
+		if _, present := s.table[key]; present && !s.doc.complete {
+			// The locator stopped early: find the key by its text.
+			if line := searchLine(s.doc.src, max(section, 1), key); line > 0 {
+				return line
+			}
+		}
 	}
-	return s.doc.lines[pathKey(s.path)]
+	return section
 }
 
 // Errorf records a problem with key ("" for the section itself) at its line.
