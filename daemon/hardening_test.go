@@ -240,3 +240,39 @@ func TestLogLevelOnReload(t *testing.T) {
 		t.Errorf("revision 3 was logged at info level %d times under log_level error", n)
 	}
 }
+
+// TestResyncIntervalOnReload: drift is not repaired under a resync of an
+// hour; a reload to one second repairs it. A state_dir opened wider than
+// 0700 is tightened.
+func TestResyncIntervalOnReload(t *testing.T) {
+	h := newHarness(t)
+	h.put("/ri/a", "1")
+	h.writeConfig(h.mount("ri", "/ri/"))
+	hourly := func() {
+		data, err := os.ReadFile(h.config)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(h.config, []byte(strings.Replace(string(data), `resync_interval = "1s"`, `resync_interval = "1h"`, 1)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	hourly()
+	if err := os.MkdirAll(h.path("state"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	h.start()
+	dir := h.path("mnt", "ri")
+	h.waitContent(dir, map[string]string{"a": "1"})
+	if info, err := os.Stat(h.path("state")); err != nil || info.Mode().Perm() != 0o700 {
+		t.Errorf("state_dir mode %v, %v; want 0700", info.Mode().Perm(), err)
+	}
+	h.waitReady()
+	if err := os.Remove(filepath.Join(dir, "a")); err != nil {
+		t.Fatal(err)
+	}
+	h.writeConfig(h.mount("ri", "/ri/")) // resync_interval = "1s"
+	h.sighup()
+	h.waitContent(dir, map[string]string{"a": "1"})
+	h.waitLog("repaired drift", "mount=ri")
+}
