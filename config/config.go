@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net"
 	"os"
 	"os/user"
 	"path/filepath"
@@ -31,6 +32,10 @@ const (
 	// MinResyncInterval is the shortest resync_interval: a resync reads
 	// every mount from disk, and changes never wait for it.
 	MinResyncInterval = time.Second
+	// DefaultAdminAddress is the admin endpoint's address: loopback, on a
+	// port in the range of Prometheus' default port allocations for
+	// exporters (9100–9999).
+	DefaultAdminAddress = "127.0.0.1:9797"
 	// MinPollInterval is the shortest poll_interval of any source kind.
 	MinPollInterval = 100 * time.Millisecond
 	// DefaultMode is the kubelet's default file mode for ConfigMap volumes.
@@ -71,6 +76,9 @@ type Config struct {
 	Sources map[string]*Source
 	// Mounts in file order.
 	Mounts []*Mount
+	// Admin is the address of the admin endpoint ("host:port" or
+	// "unix:/path"); "" turns it off.
+	Admin string
 	// Warnings are valid but probably unintended settings, such as a
 	// prefix without a trailing "/", in file order; kvmount check prints
 	// them and the daemon logs them.
@@ -124,6 +132,11 @@ type Mount struct {
 	CheckCommand []string
 	// CheckTimeout bounds CheckCommand.
 	CheckTimeout time.Duration
+	// Notify are the entries run, in order, after each switch that
+	// changed the mount.
+	Notify []Notify
+	// Wait is the mount's quiescence; zero Min means none.
+	Wait Wait
 	// CheckUID and CheckGID are the user and group CheckCommand runs as
 	// (check_user: a name, whose primary group applies, or a numeric id,
 	// whose group is the same number when no such user exists); -1 runs it
@@ -193,6 +206,19 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 	_ = cfg.LogLevel.UnmarshalText([]byte(level))
 	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
 	cfg.ResyncInterval = top.DurationAtLeast("resync_interval", DefaultResyncInterval, MinResyncInterval)
+	cfg.Admin = DefaultAdminAddress
+	if top.Has("admin") {
+		admin := top.Table("admin")
+		cfg.Admin = admin.String("address", DefaultAdminAddress)
+		if a := cfg.Admin; a != "" && !strings.HasPrefix(a, "unix:/") {
+			if host, _, err := net.SplitHostPort(a); err != nil {
+				admin.Errorf("address", "%q: want \"host:port\" or \"unix:/path\"", a)
+			} else if ip := net.ParseIP(host); host != "localhost" && (ip == nil || !ip.IsLoopback()) {
+				admin.Errorf("address", "%q is not a loopback address; the admin endpoint has no authentication", a)
+			}
+		}
+		admin.Done()
+	}
 
 	sources := top.Table("sources")
 	for _, name := range sources.Keys() {
@@ -292,6 +318,10 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	m.UID = lookupID(sec, "user", lookupUser)
 	m.GID = lookupID(sec, "group", lookupGroup)
 	m.Optional = sec.Bool("optional", false)
+	m.Wait = decodeWait(sec)
+	for _, nsec := range sec.Tables("notify") {
+		m.Notify = append(m.Notify, decodeNotify(nsec))
+	}
 
 	paths := map[string]bool{} // item paths of all projections
 	shorthand := sec.Has("source") || sec.Has("prefix") || sec.Has("items")

@@ -2,6 +2,7 @@ package config
 
 import (
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -431,4 +432,72 @@ func FuzzParse(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestNotifyWaitAdmin decodes [[mount.notify]] entries of every kind,
+// wait and [admin], and reports their problems at their lines.
+func TestNotifyWaitAdmin(t *testing.T) {
+	dir := t.TempDir()
+	token := filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte("s3cr3t\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	head := "[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nprefix = \"a/\"\n" // lines 1-7
+	valid := "[admin]\naddress = \"unix:/run/kvmount/admin.sock\"\n" + head + `wait = { min = "2s", max = "10s" }
+  [[mount.notify]]
+  command = ["/usr/sbin/nginx", "-s", "reload"]
+  timeout = "5s"
+  [[mount.notify]]
+  signal = "HUP"
+  pid_file = "/run/nginx.pid"
+  [[mount.notify]]
+  systemd_unit = "nginx.service"
+  action = "try-reload-or-restart"
+  [[mount.notify]]
+  webhook = "https://user:pw@127.0.0.1:8080/hook?x=1"
+  headers = { X-Env = "prod" }
+  header_files = { Authorization = "` + token + `" }
+`
+	cfg, err := Parse("k.toml", []byte(valid), testKinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := cfg.Mounts[0]
+	if cfg.Admin != "unix:/run/kvmount/admin.sock" || m.Wait != (Wait{Min: 2 * time.Second, Max: 10 * time.Second}) || len(m.Notify) != 4 {
+		t.Fatalf("admin %q, wait %+v, %d notify entries", cfg.Admin, m.Wait, len(m.Notify))
+	}
+	got := fmt.Sprintf("%s %v %v | %s %v %s | %s %s | %s %s %v %s", m.Notify[0].Kind, m.Notify[0].Command, m.Notify[0].Timeout,
+		m.Notify[1].Kind, m.Notify[1].Signal, m.Notify[1].PIDFile, m.Notify[2].Unit, m.Notify[2].Action,
+		m.Notify[3].Kind, m.Notify[3].Target(), m.Notify[3].Headers, m.Notify[3].HeaderFiles["Authorization"].Reveal())
+	want := "command [/usr/sbin/nginx -s reload] 5s | signal hangup /run/nginx.pid | nginx.service try-reload-or-restart | webhook https://127.0.0.1:8080/hook map[X-Env:prod] s3cr3t"
+	if got != want {
+		t.Errorf("decoded %s\nwant    %s", got, want)
+	}
+	if def, err := Parse("k.toml", []byte(head), testKinds); err != nil || def.Admin != DefaultAdminAddress {
+		t.Errorf("default admin address %q, %v", def.Admin, err)
+	}
+	bad := "[admin]\naddress = \"0.0.0.0:9797\"\n" + head + `wait = { max = "1s" }
+  [[mount.notify]]
+  command = ["x"]
+  signal = "HUP"
+  [[mount.notify]]
+  signal = "SIGNOPE"
+  [[mount.notify]]
+  webhook = "ftp://x"
+  action = "reload"
+`
+	_, err = Parse("k.toml", []byte(bad), testKinds)
+	for _, w := range []string{
+		`k.toml:2: admin.address: "0.0.0.0:9797" is not a loopback address`,
+		`k.toml:10: mount[0].wait: needs min`,
+		`k.toml:13: mount[0].notify[0].signal: an entry has one kind; command and signal are both set`,
+		`k.toml:15: mount[0].notify[1].signal: unknown signal "SIGNOPE"`,
+		`mount[0].notify[1]: a signal entry needs pid_file`,
+		`k.toml:17: mount[0].notify[2].webhook: "ftp://x": want an http:// or https:// URL`,
+		`k.toml:18: mount[0].notify[2].action: applies to systemd_unit entries only`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), w) {
+			t.Errorf("errors:\n%v\nwant %q", err, w)
+		}
+	}
 }

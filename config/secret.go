@@ -51,6 +51,23 @@ func (s *Section) SecretFile(key string) Secret {
 	return Secret{value: value}
 }
 
+// SecretFileMap reads the table at key, such as header_files = {
+// Authorization = "/etc/kvmount/token" }, and returns each name with the
+// content of its file as a Secret (see SecretFile); nil when key is not
+// set.
+func (s *Section) SecretFileMap(key string) map[string]Secret {
+	if !s.Has(key) {
+		return nil
+	}
+	files := s.Table(key)
+	defer files.Done()
+	out := map[string]Secret{}
+	for _, name := range files.Keys() {
+		out[name] = files.SecretFile(name)
+	}
+	return out
+}
+
 // File returns the path at key after checking that the file can be read;
 // "" when key is not set.
 func (s *Section) File(key string) string {

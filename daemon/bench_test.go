@@ -124,7 +124,7 @@ func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir s
 	if medium == "tmpfs" {
 		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 	}
-	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n",
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = \"\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n",
 		filepath.Join(base, "state"), store.source, dir, store.prefix, medium)
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {

@@ -1,23 +1,24 @@
 // Package daemon assembles kvmount from its parts — configuration, sources
-// and their shared cache, populator and reconciler — and runs them: Run as
-// the long-lived service that follows every change and reloads its
-// configuration on request, Once to project every mount a single time.
+// and their shared cache, populator and reconciler, the notifier and the
+// admin endpoint — and runs them: Run as the long-lived service that
+// follows every change and reloads its configuration on request, Once to
+// project every mount a single time.
 package daemon
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"os"
 	"reflect"
-	"strings"
 	"time"
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
 	"github.com/kvmount/kvmount/source"
 )
@@ -31,16 +32,23 @@ type Options struct {
 	// LogOutput receives the logs; format and level come from the
 	// configuration file.
 	LogOutput io.Writer
+	// Version is reported by the admin endpoint (kvmount_build_info).
+	Version string
 	// Reload delivers a signal for every reload request (SIGHUP).
 	Reload <-chan os.Signal
 	// Abort, closed after the context is done (a second SIGTERM), cuts
 	// the stop short: running check commands are killed; writes finish.
 	Abort <-chan struct{}
-	// Notify, when set, is told of the daemon's life: "ready" once every
-	// mount has been projected or has settled on an error, "reloading" and
-	// "ready" around a reload, "stopping" at the end (systemd's sd_notify
-	// states).
+	// Notify, when set, is told of the daemon's life with systemd's
+	// sd_notify states: "ready" once every mount has been projected or has
+	// settled on an error, "reloading" and "ready" around a reload,
+	// "stopping" as soon as the context is done, "status=TEXT" when the
+	// one-line summary of the mounts changes, and "watchdog" at
+	// WatchdogInterval while the reconciler's loop answers.
 	Notify func(state string)
+	// WatchdogInterval, when positive, is how often "watchdog" is sent:
+	// half of systemd's WATCHDOG_USEC.
+	WatchdogInterval time.Duration
 }
 
 // instance is one opened source and the configuration it was opened with.
@@ -51,20 +59,25 @@ type instance struct {
 
 // daemon is one run's state.
 type daemon struct {
-	opts    Options
-	log     *slog.Logger
-	level   *slog.LevelVar
-	cfg     *config.Config
-	sources map[string]instance
-	cache   *source.Cache
-	pop     *reconcile.Populator
-	rec     *reconcile.Reconciler
-	lock    *stateLock
-	ready   bool
+	opts     Options
+	log      *slog.Logger
+	level    *slog.LevelVar
+	cfg      *config.Config
+	sources  map[string]instance
+	cache    *source.Cache
+	pop      *reconcile.Populator
+	rec      *reconcile.Reconciler
+	lock     *stateLock
+	notifier *notify.Notifier // nil in Once
+	admin    *admin.Server    // nil when [admin] address = "" or in Once
+	adminL   net.Listener
+	service  *service
 }
 
 // load reads the configuration and wires the parts; nothing runs yet.
-func load(opts Options, onSync func(*daemon, []reconcile.MountStatus)) (*daemon, error) {
+// With service set (Run), it adds the notifier and the admin endpoint,
+// whose listener it opens, so that a port in use fails the start.
+func load(opts Options, observer reconcile.Observer, withService bool) (*daemon, error) {
 	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
 	if err != nil {
 		return nil, err
@@ -81,11 +94,29 @@ func load(opts Options, onSync func(*daemon, []reconcile.MountStatus)) (*daemon,
 		d.lock.release()
 		return nil, err
 	}
+	observers := reconcile.Observers{observer}
+	if withService {
+		if cfg.Admin != "" {
+			if d.adminL, err = admin.Listen(cfg.Admin); err != nil {
+				d.lock.release()
+				return nil, err
+			}
+			d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log, Ping: func(ctx context.Context) error { return d.rec.Ping(ctx) }})
+			observers = append(observers, d.admin)
+		}
+		var onResult func(notify.Result)
+		if d.admin != nil {
+			onResult = d.admin.NotifyResult
+		}
+		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: onResult})
+		d.notifier.SetMounts(cfg.Mounts)
+		observers = append(observers, notifyChanges{d.notifier})
+	}
 	trigger := reconcile.NewTrigger()
 	d.cache = source.NewCache(d.log, trigger.Fire)
 	opened, err := d.openSources(cfg)
 	if err != nil {
-		d.lock.release()
+		d.close()
 		return nil, err
 	}
 	d.setSources(opened)
@@ -97,7 +128,7 @@ func load(opts Options, onSync func(*daemon, []reconcile.MountStatus)) (*daemon,
 	d.rec = reconcile.New(d.pop, owned, trigger, d.log, reconcile.Options{
 		ResyncInterval: cfg.ResyncInterval,
 		Abort:          opts.Abort,
-		OnSync:         func(st []reconcile.MountStatus) { onSync(d, st) },
+		Observer:       observers,
 	})
 	return d, nil
 }
@@ -155,38 +186,61 @@ func sourceMap(sources map[string]instance) map[string]source.Source {
 	return m
 }
 
-// close stops the follows, closes the sources and releases the state
+// close stops the follows, closes the sources, stops the notifier, closes
+// the admin listener if Run did not serve it, and releases the state
 // directory's lock.
 func (d *daemon) close() {
 	if d.pop != nil {
 		d.pop.Close()
 	}
-	d.cache.Close()
+	if d.cache != nil {
+		d.cache.Close()
+	}
+	if d.notifier != nil {
+		d.notifier.Close()
+	}
+	if d.adminL != nil {
+		d.adminL.Close()
+	}
 	d.lock.release()
 }
 
 // Run runs the daemon until ctx is done, re-reading the configuration on
 // each Options.Reload. It holds an exclusive lock on the state directory
 // for its whole life; another instance holding it makes Run return an
-// error wrapping ErrLocked at once. An invalid configuration at start is returned; an
-// invalid one at reload is logged and the running one stays in force. It
-// returns nil after a clean stop: running operations finish, no write is
-// left half done.
+// error wrapping ErrLocked at once. An invalid configuration at start is
+// returned, and so is an admin address that cannot be listened on; an
+// invalid configuration at reload is logged and the running one stays in
+// force. It returns nil after a clean stop: running operations finish, no
+// write is left half done.
 func Run(ctx context.Context, opts Options) error {
-	d, err := load(opts, (*daemon).onSync)
+	svc := &service{notify: opts.Notify}
+	d, err := load(opts, svc, true)
 	if err != nil {
 		return err
 	}
-	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources))
+	d.service = svc
+	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources), "admin", d.cfg.Admin)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		// STOPPING=1 as soon as the stop is asked for, not once the
 		// operations in flight have finished.
 		<-gctx.Done()
-		d.notify("stopping")
+		svc.send("stopping")
 		return nil
 	})
 	g.Go(func() error { return d.rec.Run(gctx) })
+	if d.admin != nil {
+		l := d.adminL
+		d.adminL = nil // Serve closes it
+		g.Go(func() error { return d.admin.Serve(gctx, l) })
+	}
+	if opts.WatchdogInterval > 0 {
+		g.Go(func() error {
+			svc.watchdog(gctx, opts.WatchdogInterval, d.rec.Ping)
+			return nil
+		})
+	}
 	g.Go(func() error {
 		for {
 			select {
@@ -204,11 +258,11 @@ func Run(ctx context.Context, opts Options) error {
 }
 
 // reload re-reads the configuration and applies it: changed sources are
-// reopened, added mounts set up, removed ones torn down; unchanged mounts are
-// not touched.
+// reopened, added mounts set up, removed ones torn down, notify entries
+// replaced; unchanged mounts are not touched.
 func (d *daemon) reload(ctx context.Context) {
-	d.notify("reloading")
-	defer d.notify("ready")
+	d.service.send("reloading")
+	defer d.service.send("ready")
 	cfg, err := config.Load(d.opts.ConfigPath, d.opts.Registry.Decoders())
 	if err != nil {
 		d.log.Error("invalid configuration; the running one stays in force", "config", d.opts.ConfigPath, "err", err)
@@ -220,6 +274,9 @@ func (d *daemon) reload(ctx context.Context) {
 	}
 	if cfg.LogFormat != d.cfg.LogFormat {
 		d.log.Warn("log_format changes take effect at restart", "running", d.cfg.LogFormat, "configured", cfg.LogFormat)
+	}
+	if cfg.Admin != d.cfg.Admin {
+		d.log.Warn("[admin] address changes take effect at restart", "running", d.cfg.Admin, "configured", cfg.Admin)
 	}
 	opened, err := d.openSources(cfg)
 	if err != nil {
@@ -234,93 +291,8 @@ func (d *daemon) reload(ctx context.Context) {
 		d.log.Error("cannot apply mounts", "err", err)
 		return
 	}
+	d.notifier.SetMounts(cfg.Mounts)
 	d.level.Set(cfg.LogLevel)
 	d.cfg.Sources, d.cfg.Mounts, d.cfg.LogLevel, d.cfg.ResyncInterval = cfg.Sources, cfg.Mounts, cfg.LogLevel, cfg.ResyncInterval
 	d.log.Info("configuration reloaded", "mounts", len(cfg.Mounts), "sources", len(cfg.Sources))
-}
-
-// onSync reports readiness once every mount has settled.
-func (d *daemon) onSync(st []reconcile.MountStatus) {
-	if !d.ready && settled(st) {
-		d.ready = true
-		d.notify("ready")
-	}
-}
-
-func (d *daemon) notify(state string) {
-	if d.opts.Notify != nil {
-		d.opts.Notify(state)
-	}
-}
-
-// settled reports whether every mount is projected or has met an error
-// (its payload failed, its operation failed, or its source is unreachable).
-func settled(st []reconcile.MountStatus) bool {
-	for _, m := range st {
-		if !m.Projected && m.Err == nil && len(m.Stale) == 0 {
-			return false
-		}
-	}
-	return true
-}
-
-// OnceError lists the mounts that Once could not project.
-type OnceError struct {
-	// Failed maps each non-optional mount that was not projected to why.
-	Failed map[string]string
-}
-
-// Error lists the mounts not projected and why, one per line.
-func (e *OnceError) Error() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "%d mount(s) not projected:", len(e.Failed))
-	for name, why := range e.Failed {
-		fmt.Fprintf(&b, "\n  %s: %s", name, why)
-	}
-	return b.String()
-}
-
-// Once projects every mount once and returns when each has settled (see
-// Run's readiness) or timeout has passed. It returns nil when every
-// non-optional mount was projected, an *OnceError naming the others, or the
-// configuration's error. Like Run, it holds the state directory's lock
-// while it works (see ErrLocked).
-func Once(ctx context.Context, opts Options, timeout time.Duration) error {
-	var final []reconcile.MountStatus
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	d, err := load(opts, func(_ *daemon, st []reconcile.MountStatus) {
-		final = st
-		if settled(st) {
-			cancel()
-		}
-	})
-	if err != nil {
-		return err
-	}
-	err = d.rec.Run(ctx)
-	d.close()
-	if err != nil {
-		return err
-	}
-	failed := map[string]string{}
-	for _, m := range final {
-		if m.Projected || m.Optional {
-			continue
-		}
-		switch {
-		case m.Err != nil:
-			failed[m.Name] = m.Err.Error()
-		case len(m.Stale) > 0:
-			failed[m.Name] = errors.Join(m.Stale...).Error()
-		case len(m.Waiting) > 0:
-			failed[m.Name] = fmt.Sprintf("no snapshot from %s within %v", strings.Join(m.Waiting, ", "), timeout)
-		default:
-			failed[m.Name] = fmt.Sprintf("not projected within %v", timeout)
-		}
-	}
-	if len(failed) > 0 {
-		return &OnceError{Failed: failed}
-	}
-	return nil
 }

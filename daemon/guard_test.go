@@ -15,7 +15,7 @@ import (
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/roottest"
-	"github.com/kvmount/kvmount/reconcile"
+	"github.com/kvmount/kvmount/projector"
 )
 
 func TestTmpfsMedium(t *testing.T) {
@@ -35,7 +35,7 @@ func TestTmpfsMedium(t *testing.T) {
 	if err := unix.Statfs(dir, &sfs); err != nil {
 		t.Fatal(err)
 	}
-	if size, want := int64(sfs.Blocks)*sfs.Bsize, reconcile.TmpfsSize(64<<10); size != want {
+	if size, want := int64(sfs.Blocks)*sfs.Bsize, projector.TmpfsSize(64<<10); size != want {
 		t.Errorf("tmpfs size %d; want %d (room for three versions of 64 KiB)", size, want)
 	}
 	if sfs.Flags&unix.ST_NOSUID == 0 || sfs.Flags&unix.ST_NODEV == 0 || sfs.Flags&unix.ST_NOEXEC == 0 {

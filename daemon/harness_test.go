@@ -43,12 +43,18 @@ type harness struct {
 	endpoint string // what kvmount dials (etcd, or a proxy in front of it)
 	// sources returns the [sources.*] tables of the configuration; nil
 	// means the etcd source "main" dialing endpoint.
-	sources  func() string
+	sources func() string
+	// admin is the admin endpoint's address; "" (the default in tests)
+	// turns it off.
+	admin    string
 	logs     *testlog.Buffer
 	reload   chan os.Signal
 	notified chan string
-	cancel   context.CancelFunc
-	done     chan error
+	// statusLines are the STATUS= lines sent to systemd, in order.
+	statusMu    sync.Mutex
+	statusLines []string
+	cancel      context.CancelFunc
+	done        chan error
 }
 
 // newHarness returns a harness with its own etcd.
@@ -94,8 +100,11 @@ func (h *harness) writeConfig(mounts string) {
 resync_interval = "1s"
 log_level = "debug"
 
+[admin]
+address = %q
+
 %s
-%s`, h.path("state"), sources, mounts)
+%s`, h.path("state"), h.admin, sources, mounts)
 	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
 		h.t.Fatal(err)
 	}
@@ -124,6 +133,12 @@ func (h *harness) start() {
 	opts := h.options()
 	opts.Reload = h.reload
 	opts.Notify = func(state string) {
+		if line, ok := strings.CutPrefix(state, "status="); ok {
+			h.statusMu.Lock()
+			h.statusLines = append(h.statusLines, line)
+			h.statusMu.Unlock()
+			return
+		}
 		select {
 		case h.notified <- state:
 		default:

@@ -75,7 +75,12 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     or one inside or around it (two mounts that swapped directories wait
 //     for each other's teardown);
 //   - a payload that guard rails held back is not tried again; the next
-//     generation is.
+//     generation is;
+//   - a mount with a wait (quiescence, consul-template's semantics) is
+//     remounted only once wait.min has passed since its last change, or
+//     wait.max since the first change not yet written, whichever comes
+//     first; that time is a retry time. A first setup, an adopted mount
+//     and a repair of drift do not wait.
 func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
 	names := make([]string, 0, len(dsw)+len(asw.Mounts))
 	for name := range dsw {
@@ -101,6 +106,12 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == dsw[name].Generation {
 			if a := asw.Mounts[name]; a != nil && a.VerifyDue {
 				ops = append(ops, Op{Kind: Verify, Mount: name})
+			}
+			continue
+		}
+		if due := quiescentAt(dsw[name], asw.Mounts[name]); op.Kind == Remount && now.Before(due) {
+			if retry.IsZero() || due.Before(retry) {
+				retry = due
 			}
 			continue
 		}
@@ -142,6 +153,22 @@ func planMount(name string, d *DesiredMount, a *ActualMount, now time.Time) (Op,
 		return Op{Kind: Collect, Mount: name}, true
 	}
 	return Op{}, false
+}
+
+// quiescentAt returns when a mount with a wait may be remounted: the
+// earlier of its last change + wait.min and its first pending change +
+// wait.max; the zero time when it need not wait.
+func quiescentAt(d *DesiredMount, a *ActualMount) time.Time {
+	if d == nil || a == nil || d.Spec.Wait.Min <= 0 || a.Generation == 0 || a.RemountRequired || d.ChangedAt.IsZero() {
+		return time.Time{}
+	}
+	due := d.ChangedAt.Add(d.Spec.Wait.Min)
+	if !a.PendingSince.IsZero() {
+		if bound := a.PendingSince.Add(d.Spec.Wait.Max); bound.Before(due) {
+			due = bound
+		}
+	}
+	return due
 }
 
 // dirTaken reports whether a projected mount other than name holds dir, a

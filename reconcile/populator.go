@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/projector"
@@ -57,6 +58,17 @@ type Populator struct {
 	mounts map[string]*populated
 	// generation numbers desired payloads; it only grows, across mounts.
 	generation uint64
+	// observer is told when a source's health or revision changes; the
+	// Reconciler sets it.
+	observer Observer
+	// sources is the last health and revision reported per source.
+	sources map[string]sourceState
+}
+
+// sourceState is what was last reported of a source.
+type sourceState struct {
+	err      string
+	revision string
 }
 
 // populated is the populator's record of one mount.
@@ -88,7 +100,7 @@ func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
 // NewPopulatorFor returns a populator with no mounts, reading feeds from
 // any FeedCache, such as a test's.
 func NewPopulatorFor(cache FeedCache, log *slog.Logger) *Populator {
-	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}}
+	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}, observer: discardObserver{}, sources: map[string]sourceState{}}
 }
 
 // SetMounts makes mounts the configured mounts. A mount whose configuration
@@ -148,13 +160,58 @@ func (p *Populator) Close() {
 // Populate returns the desired state of world, rebuilding the payload of
 // every mount whose feeds published a new snapshot since the last call.
 // A mount whose feeds only changed health keeps its payload and generation.
+//
+// It also tells the observer of each source whose health or newest
+// revision changed (SourceEvent), as seen by the feeds in use.
 func (p *Populator) Populate() DesiredState {
 	dsw := make(DesiredState, len(p.mounts))
 	for name, pm := range p.mounts {
 		p.populate(pm)
 		dsw[name] = pm.desired
 	}
+	p.reportSources()
 	return dsw
+}
+
+// reportSources sends a SourceEvent for every source whose health or
+// newest revision changed since the last call.
+func (p *Populator) reportSources() {
+	now := map[string]sourceState{}
+	errs := map[string]error{}
+	for _, pm := range p.mounts {
+		for i, f := range pm.feeds {
+			name := pm.spec.Projections[i].Source
+			st := f.State()
+			cur := now[name]
+			if st.Err != nil && cur.err == "" {
+				cur.err = st.Err.Error()
+				errs[name] = st.Err
+			}
+			if st.Snapshot != nil && newerRevision(st.Snapshot.Revision, cur.revision) {
+				cur.revision = st.Snapshot.Revision
+			}
+			now[name] = cur
+		}
+	}
+	for name, cur := range now {
+		if prev, ok := p.sources[name]; !ok || prev != cur {
+			p.observer.Observe(SourceEvent{Source: name, Err: errs[name], Revision: cur.revision, Time: time.Now()})
+		}
+	}
+	p.sources = now
+}
+
+// newerRevision reports whether revision a is newer than b: by numeric
+// value for etcd revisions and Consul indexes (decimal strings), else any
+// non-empty a replaces an empty b.
+func newerRevision(a, b string) bool {
+	if b == "" {
+		return a != ""
+	}
+	if len(a) != len(b) {
+		return len(a) > len(b) && strings.Trim(a, "0123456789") == ""
+	}
+	return a > b && strings.Trim(a, "0123456789") == ""
 }
 
 func (p *Populator) populate(pm *populated) {
@@ -209,10 +266,11 @@ func (p *Populator) populate(pm *populated) {
 		d.Generation = 0
 	case !rebuild && pm.desired != nil:
 		// Only health changed: same payload, same generation.
-		d.Payload, d.Err, d.Generation, d.Revision = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision
+		d.Payload, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
 	default:
 		p.generation++
 		d.Generation = p.generation
+		d.ChangedAt = time.Now()
 		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
 			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
 			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize,
@@ -239,7 +297,7 @@ func (p *Populator) freeze(pm *populated) {
 	}
 	pm.feeds, pm.snapshots, pm.versions = nil, nil, nil
 	pm.frozen, pm.stale = true, false
-	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision}
+	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}
 	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
 }
 

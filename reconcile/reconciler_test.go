@@ -40,14 +40,18 @@ func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
 	if err := pop.SetMounts(mounts); err != nil {
 		t.Fatal(err)
 	}
-	r.rec = New(pop, owned, r.trigger, discard, Options{ResyncInterval: time.Hour, OnSync: func(st []MountStatus) {
+	r.rec = New(pop, owned, r.trigger, discard, Options{ResyncInterval: time.Hour, Observer: ObserverFunc(func(ev Event) {
+		pass, ok := ev.(PassEvent)
+		if !ok {
+			return
+		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.status = map[string]MountStatus{}
-		for _, s := range st {
+		for _, s := range pass.Mounts {
 			r.status[s.Name] = s
 		}
-	}})
+	})})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.rec.Run(ctx) }()

@@ -22,6 +22,9 @@ type DesiredMount struct {
 	Payload projector.Payload
 	// Generation increases whenever Payload or Spec is rebuilt.
 	Generation uint64
+	// ChangedAt is when this generation was built: the last change, from
+	// which a mount's quiescence (wait.min) counts.
+	ChangedAt time.Time
 	// Revision names the snapshots Payload was built from, such as
 	// "main@1042", for logs.
 	Revision string
@@ -62,6 +65,10 @@ type ActualMount struct {
 	// CollectAt is when the oldest replaced version kept for readers is
 	// due for removal; zero when none is kept.
 	CollectAt time.Time
+	// PendingSince is when the desired payload first differed from the one
+	// written, zero while they match: the start of the quiescence's
+	// wait.max.
+	PendingSince time.Time
 }
 
 // Failure is the backoff state of a mount whose last operation failed.

@@ -89,6 +89,8 @@ func TestLifecycle(t *testing.T) {
 	notify := listenNotify(t)
 	e.put("/app/a", "1")
 	cfg := fmt.Sprintf(`state_dir = %q
+[admin]
+address = ""
 [sources.main]
 type = "etcd"
 endpoints = [%q]
@@ -163,6 +165,8 @@ func TestSIGTERMFinishesTheWriteInProgress(t *testing.T) {
 	e := newEnv(t)
 	e.put("/app/a", "1")
 	cfg := fmt.Sprintf(`state_dir = %q
+[admin]
+address = ""
 [sources.main]
 type = "etcd"
 endpoints = [%q]

@@ -1,6 +1,7 @@
 // Command kvmount keeps directories in sync with key-value data held in
-// etcd, in Consul or behind an HTTP URL: run is the daemon, once projects every mount a single time, check
-// validates a configuration file, version prints the version.
+// etcd, in Consul or behind an HTTP URL: run is the daemon, once projects
+// every mount a single time, check validates a configuration file, status
+// asks the running daemon, version prints the version.
 package main
 
 import (
@@ -12,6 +13,7 @@ import (
 	"os/signal"
 	"runtime/debug"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -54,6 +56,8 @@ commands:
   run      run the daemon: keep every mount in sync until SIGTERM; SIGHUP reloads the configuration
   once     project every mount once, then exit (0 when every non-optional mount was projected)
   check    validate the configuration file and exit; errors name file:line
+  status   ask the running daemon (its admin endpoint): one line per mount;
+           exit 0 when all are current, 1 when any is not, 2 when the daemon cannot be reached
   version  print the version
 `
 
@@ -72,7 +76,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up on mounts not projected after this `duration`")
 	}
 	switch cmd {
-	case "run", "once", "check", "version":
+	case "run", "once", "check", "status", "version":
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return exitOK
@@ -87,7 +91,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvmount %s: unexpected arguments %q\n", cmd, fs.Args())
 		return exitUsage
 	}
-	opts := daemon.Options{ConfigPath: *configPath, Registry: registry(), LogOutput: stderr}
+	opts := daemon.Options{ConfigPath: *configPath, Registry: registry(), LogOutput: stderr, Version: buildVersion()}
 	var err error
 	switch cmd {
 	case "version":
@@ -102,6 +106,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			}
 			fmt.Fprintf(stdout, "%s: OK (%d sources, %d mounts, %d warnings)\n", *configPath, len(cfg.Sources), len(cfg.Mounts), len(cfg.Warnings))
 		}
+	case "status":
+		return status(ctx, *configPath, opts.Registry, stdout, stderr)
 	case "once":
 		err = daemon.Once(ctx, opts, timeout)
 	case "run":
@@ -110,6 +116,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		defer signal.Stop(hup)
 		opts.Reload = hup
 		opts.Notify = notifySystemd
+		if interval, err := sddaemon.SdWatchdogEnabled(false); err == nil && interval > 0 {
+			opts.WatchdogInterval = interval / 2
+		}
 		abort := make(chan struct{})
 		opts.Abort = abort
 		stopWatch := watchSecondSignal(ctx, abort, stderr)
@@ -173,8 +182,14 @@ func notifySystemd(state string) {
 		msg = sddaemon.SdNotifyReloading + "\nMONOTONIC_USEC=" + strconv.FormatInt(ts.Nano()/1000, 10)
 	case "stopping":
 		msg = sddaemon.SdNotifyStopping
+	case "watchdog":
+		msg = sddaemon.SdNotifyWatchdog
 	default:
-		return
+		text, ok := strings.CutPrefix(state, "status=")
+		if !ok {
+			return
+		}
+		msg = "STATUS=" + text
 	}
 	_, _ = sddaemon.SdNotify(false, msg)
 }

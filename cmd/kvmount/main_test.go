@@ -168,7 +168,7 @@ func newEnv(t *testing.T) *env {
 func (e *env) writeConfig(mounts ...string) {
 	e.t.Helper()
 	var b strings.Builder
-	fmt.Fprintf(&b, "state_dir = %q\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n", filepath.Join(e.base, "state"), e.etcd.Endpoint())
+	fmt.Fprintf(&b, "state_dir = %q\n[admin]\naddress = \"\"\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n", filepath.Join(e.base, "state"), e.etcd.Endpoint())
 	for _, m := range mounts {
 		fmt.Fprintf(&b, "[[mount]]\nname = %q\ndir = %q\nsource = \"main\"\nprefix = \"/%s/\"\n", m, e.dir(m), m)
 	}

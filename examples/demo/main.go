@@ -34,6 +34,9 @@ const waitTimeout = 20 * time.Second
 const configTemplate = `state_dir = %q
 log_format = "text"
 
+[admin]
+address = "" # the demo serves no admin endpoint
+
 [sources.main]
 type = "etcd"
 endpoints = [%q]

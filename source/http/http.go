@@ -106,13 +106,7 @@ func Decode(sec *config.Section) any {
 	case c.Format == FormatJSON && c.Key != "":
 		sec.Errorf("key", "applies to format \"raw\" only")
 	}
-	files := sec.Table("header_files")
-	for _, name := range files.Keys() {
-		if c.HeaderFiles == nil {
-			c.HeaderFiles = map[string]config.Secret{}
-		}
-		c.HeaderFiles[name] = files.SecretFile(name)
-	}
+	c.HeaderFiles = sec.SecretFileMap("header_files")
 	for name := range c.HeaderFiles {
 		if _, dup := c.Headers[name]; dup {
 			sec.Errorf("header_files", "header %q is also in headers", name)

@@ -1,0 +1,336 @@
+// Package admin is kvmount's endpoint for operators, on loopback or a unix
+// socket: /metrics (Prometheus text format, with the Go and process
+// collectors), /healthz (the reconciler's loop answers), /readyz (every
+// non-optional mount holds its current desired payload and no source it
+// uses is stale) and /status (JSON, per mount and per source).
+//
+// It consumes the reconciler's event stream (reconcile.Observer) and the
+// notifier's results; the reconciler does not know it exists.
+package admin
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/notify"
+	"github.com/kvmount/kvmount/reconcile"
+)
+
+// DefaultAddress is the admin endpoint's default: loopback only, on a port
+// in the range Prometheus reserves for exporters in its default port
+// allocations (9100–9999). [admin] address = "" turns the endpoint off.
+const DefaultAddress = config.DefaultAdminAddress
+
+// pingTimeout bounds how long /healthz waits for the reconciler's loop.
+const pingTimeout = 2 * time.Second
+
+// Options configure a Server.
+type Options struct {
+	// Version is reported in kvmount_build_info.
+	Version string
+	// Ping asks the reconciler's loop to answer; /healthz is 200 when it
+	// does within 2 s.
+	Ping func(ctx context.Context) error
+	// Log receives the server's errors.
+	Log *slog.Logger
+}
+
+// Server holds what kvmount knows of its mounts and sources and serves it.
+type Server struct {
+	opts    Options
+	reg     *prometheus.Registry
+	metrics *metrics
+
+	mu      sync.Mutex
+	mounts  map[string]*MountStatus
+	sources map[string]*SourceStatus
+	passes  int
+}
+
+// Status is what /status serves.
+type Status struct {
+	// Ready is what /readyz answers; Reasons say why not.
+	Ready   bool     `json:"ready"`
+	Reasons []string `json:"reasons,omitempty"`
+	// Mounts and Sources by name.
+	Mounts  map[string]*MountStatus  `json:"mounts"`
+	Sources map[string]*SourceStatus `json:"sources"`
+}
+
+// Mount states in MountStatus.State.
+const (
+	StateCurrent  = "current"  // holds its current desired payload
+	StatePending  = "pending"  // a newer payload is being written or waits for quiescence
+	StateWaiting  = "waiting"  // no snapshot yet from a source
+	StateStale    = "stale"    // a source cannot be read, or an update is held back
+	StateFailed   = "failed"   // the payload cannot be built, or the last write failed
+	StateOptional = "optional" // an optional mount not projected
+)
+
+// MountStatus is one mount's entry in /status.
+type MountStatus struct {
+	Dir    string `json:"dir"`
+	Medium string `json:"medium"`
+	// State is one of the State constants.
+	State    string `json:"state"`
+	Optional bool   `json:"optional"`
+	// Version is the version directory ..data names; Revision the
+	// snapshots it was built from, per projection ("main@1042,web@abc").
+	Version  string `json:"version,omitempty"`
+	Revision string `json:"revision,omitempty"`
+	Files    int    `json:"files"`
+	Bytes    int64  `json:"bytes"`
+	// LastSuccess is the last time the mount was found or made to hold
+	// its desired payload; LastChange the last switch that changed it.
+	LastSuccess *time.Time `json:"last_success,omitempty"`
+	LastChange  *time.Time `json:"last_change,omitempty"`
+	// StaleSince is when it last became stale; nil while it is not.
+	StaleSince *time.Time `json:"stale_since,omitempty"`
+	// LastError is the error that keeps it from being current, if any.
+	LastError string `json:"last_error,omitempty"`
+	// LastNotification is the result of the last notification attempt.
+	LastNotification *NotificationStatus `json:"last_notification,omitempty"`
+}
+
+// NotificationStatus is the last notification attempt of a mount.
+type NotificationStatus struct {
+	Kind    string    `json:"kind"`
+	Target  string    `json:"target"`
+	Version string    `json:"version"`
+	OK      bool      `json:"ok"`
+	Error   string    `json:"error,omitempty"`
+	Attempt int       `json:"attempt"`
+	Time    time.Time `json:"time"`
+}
+
+// SourceStatus is one source's entry in /status.
+type SourceStatus struct {
+	Up        bool   `json:"up"`
+	LastError string `json:"last_error,omitempty"`
+	// Revision is the newest revision seen from it.
+	Revision string `json:"revision,omitempty"`
+}
+
+// New returns a Server with its metrics registered.
+func New(opts Options) *Server {
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{}}
+	return s
+}
+
+var _ reconcile.Observer = (*Server)(nil)
+
+// Observe records one event of the reconciler (see reconcile.Observer).
+// It never blocks for long.
+func (s *Server) Observe(ev reconcile.Event) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.metrics.observe(ev)
+	switch ev := ev.(type) {
+	case reconcile.PassEvent:
+		s.passes++
+		seen := map[string]bool{}
+		for _, st := range ev.Mounts {
+			seen[st.Name] = true
+			m := s.mount(st.Name)
+			m.Dir, m.Medium, m.Optional = st.Dir, st.Medium, st.Optional
+			prev := m.State
+			m.State, m.LastError = mountState(st)
+			if m.State == StateStale && prev != StateStale {
+				t := ev.Time
+				m.StaleSince = &t
+			} else if m.State != StateStale {
+				m.StaleSince = nil
+			}
+		}
+		for name := range s.mounts {
+			if !seen[name] {
+				delete(s.mounts, name)
+			}
+		}
+	case reconcile.ProjectedEvent:
+		m := s.mount(ev.Mount)
+		m.Version, m.Revision, m.Files, m.Bytes = ev.Version, ev.Revision, ev.Files, ev.Bytes
+		t := ev.Time
+		m.LastSuccess = &t
+		if !ev.Change.Empty() {
+			m.LastChange = &t
+		}
+	case reconcile.TornDownEvent:
+		delete(s.mounts, ev.Mount)
+	case reconcile.SourceEvent:
+		src := s.sources[ev.Source]
+		if src == nil {
+			src = &SourceStatus{}
+			s.sources[ev.Source] = src
+		}
+		src.Up = ev.Err == nil
+		src.LastError = ""
+		if ev.Err != nil {
+			src.LastError = ev.Err.Error()
+		}
+		if ev.Revision != "" {
+			src.Revision = ev.Revision
+		}
+	}
+}
+
+// NotifyResult records the result of one notification attempt.
+func (s *Server) NotifyResult(r notify.Result) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.metrics.notified(r)
+	n := &NotificationStatus{Kind: r.Kind, Target: r.Target, Version: r.Version, OK: r.Err == nil, Attempt: r.Attempt, Time: r.Time}
+	if r.Err != nil {
+		n.Error = r.Err.Error()
+	}
+	s.mount(r.Mount).LastNotification = n
+}
+
+// mount returns the status of name, creating it; s.mu must be held.
+func (s *Server) mount(name string) *MountStatus {
+	m := s.mounts[name]
+	if m == nil {
+		m = &MountStatus{State: StateWaiting}
+		s.mounts[name] = m
+	}
+	return m
+}
+
+// mountState derives a mount's state and error from its pass status.
+func mountState(st reconcile.MountStatus) (state, lastErr string) {
+	switch {
+	case st.Err != nil:
+		return StateFailed, st.Err.Error()
+	case len(st.Stale) > 0:
+		return StateStale, errors.Join(st.Stale...).Error()
+	case st.Projected:
+		return StateCurrent, ""
+	case len(st.Waiting) > 0:
+		if st.Optional {
+			return StateOptional, ""
+		}
+		return StateWaiting, "no snapshot yet from " + strings.Join(st.Waiting, ", ")
+	}
+	return StatePending, ""
+}
+
+// Status returns a copy of what /status serves.
+func (s *Server) Status() Status {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0}
+	if s.passes == 0 {
+		st.Reasons = append(st.Reasons, "the reconciler has not made its first pass")
+	}
+	for name, m := range s.mounts {
+		c := *m
+		st.Mounts[name] = &c
+		if !m.Optional && m.State != StateCurrent {
+			st.Ready = false
+			reason := fmt.Sprintf("mount %s is %s", name, m.State)
+			if m.LastError != "" {
+				reason += ": " + m.LastError
+			}
+			st.Reasons = append(st.Reasons, reason)
+		}
+	}
+	for name, src := range s.sources {
+		c := *src
+		st.Sources[name] = &c
+	}
+	slices.Sort(st.Reasons)
+	return st
+}
+
+// Handler returns the endpoint's routes.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
+		defer cancel()
+		if s.opts.Ping != nil {
+			if err := s.opts.Ping(ctx); err != nil {
+				http.Error(w, "reconciler loop not answering: "+err.Error(), http.StatusServiceUnavailable)
+				return
+			}
+		}
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		st := s.Status()
+		if !st.Ready {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			fmt.Fprintln(w, strings.Join(st.Reasons, "\n"))
+			return
+		}
+		fmt.Fprintln(w, "ready")
+	})
+	mux.HandleFunc("GET /status", func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(s.Status())
+	})
+	return mux
+}
+
+// Listen opens address: "host:port" (TCP) or "unix:/path" (a unix socket,
+// replacing a stale socket file, mode 0660). It returns the listener for
+// Serve.
+func Listen(address string) (net.Listener, error) {
+	if path, ok := strings.CutPrefix(address, "unix:"); ok {
+		if info, err := os.Lstat(path); err == nil && info.Mode().Type() == os.ModeSocket {
+			_ = os.Remove(path)
+		}
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			return nil, fmt.Errorf("admin: %w", err)
+		}
+		if err := os.Chmod(path, 0o660); err != nil {
+			l.Close()
+			return nil, fmt.Errorf("admin: %w", err)
+		}
+		return l, nil
+	}
+	l, err := net.Listen("tcp", address)
+	if err != nil {
+		return nil, fmt.Errorf("admin: %w", err)
+	}
+	return l, nil
+}
+
+// Serve serves the endpoint on l until ctx is done, then shuts the server
+// down (requests in progress get 5 s) and returns nil.
+func (s *Server) Serve(ctx context.Context, l net.Listener) error {
+	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(l) }()
+	select {
+	case err := <-done:
+		return fmt.Errorf("admin: %w", err)
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
+	<-done
+	return nil
+}

@@ -1,0 +1,184 @@
+package daemon
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/admin"
+)
+
+// logLines returns the lines of the file at path.
+func logLines(path string) []string {
+	data, _ := os.ReadFile(path)
+	return strings.Fields(strings.ReplaceAll(string(data), " ", "_"))
+}
+
+// waitLines waits until the file at path has n lines.
+func (h *harness) waitLines(path string, n int) []string {
+	h.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		if got := logLines(path); len(got) >= n {
+			return got
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("%s has %d lines; want %d", path, len(logLines(path)), n)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestNotifyAfterSwitch: the notify command runs after the switch (it
+// reads the new content through the visible name), once per change,
+// including the first projection; a restart that adopts unchanged content
+// notifies nothing.
+func TestNotifyAfterSwitch(t *testing.T) {
+	h := newHarness(t)
+	log := h.path("notified")
+	h.put("/n/a", "1")
+	notify := fmt.Sprintf(`  [[mount.notify]]
+  command = ["sh", "-c", "echo $KVMOUNT_MOUNT:$KVMOUNT_VERSION:$(cat $KVMOUNT_DIR/a) >> %s"]
+`, log)
+	h.writeConfig(h.mount("n", "/n/") + notify)
+	h.start()
+	dir := h.path("mnt", "n")
+	v1 := h.waitContent(dir, map[string]string{"a": "1"})
+	if got := h.waitLines(log, 1); got[0] != "n:"+v1+":1" {
+		t.Errorf("first projection notified %q; want n:%s:1", got[0], v1)
+	}
+	h.put("/n/a", "2")
+	v2 := h.waitContent(dir, map[string]string{"a": "2"})
+	if got := h.waitLines(log, 2); got[1] != "n:"+v2+":2" {
+		t.Errorf("change notified %q; want n:%s:2 (after the switch)", got[1], v2)
+	}
+	h.waitReady()
+	h.stop()
+	h.start()
+	h.waitReady()
+	h.put("/n/a", "3")
+	v3 := h.waitContent(dir, map[string]string{"a": "3"})
+	got := h.waitLines(log, 3)
+	if len(got) != 3 || got[2] != "n:"+v3+":3" {
+		t.Errorf("after a restart: notified %q; want only the change to 3 (the adoption is no change)", got)
+	}
+}
+
+// TestQuiescence: with wait = { min, max }, a burst of changes becomes one
+// switch and one notification.
+func TestQuiescence(t *testing.T) {
+	h := newHarness(t)
+	log := h.path("notified")
+	h.put("/q/a", "0")
+	h.writeConfig(h.mount("q", "/q/", `wait = { min = "500ms", max = "10s" }`) + fmt.Sprintf("  [[mount.notify]]\n  command = [\"sh\", \"-c\", \"echo $KVMOUNT_VERSION >> %s\"]\n", log))
+	h.start()
+	dir := h.path("mnt", "q")
+	h.waitContent(dir, map[string]string{"a": "0"}) // the first setup does not wait
+	h.waitLines(log, 1)
+	projected := h.logs.Count("msg=projected", "mount=q")
+	for i := 1; i <= 10; i++ {
+		h.put("/q/a", fmt.Sprint(i))
+		time.Sleep(20 * time.Millisecond) // a burst: changes 20 ms apart, well within min
+	}
+	h.waitContent(dir, map[string]string{"a": "10"})
+	h.waitLines(log, 2)
+	if n := h.logs.Count("msg=projected", "mount=q") - projected; n != 1 {
+		t.Errorf("the burst of 10 changes made %d switches; want 1", n)
+	}
+	if got := logLines(log); len(got) != 2 {
+		t.Errorf("notified %d times; want 2 (the first projection, then the burst once)", len(got))
+	}
+}
+
+// unixGet GETs path from an admin endpoint on a unix socket.
+func unixGet(t *testing.T, socket, path string) (int, string) {
+	t.Helper()
+	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", socket)
+	}}, Timeout: 10 * time.Second}
+	resp, err := client.Get("http://kvmount" + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(body)
+}
+
+// TestAdminEndpoint: /status, /readyz, /healthz and /metrics of a running
+// daemon, before and during an etcd outage; systemd's STATUS= line.
+func TestAdminEndpoint(t *testing.T) {
+	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
+	h.put("/ad/a", "1")
+	h.writeConfig(h.mount("ad", "/ad/"))
+	h.start()
+	h.waitContent(h.path("mnt", "ad"), map[string]string{"a": "1"})
+	h.waitReady()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		if code, _ := unixGet(t, socket, "/readyz"); code == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("/readyz never 200")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	_, body := unixGet(t, socket, "/status")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(body), &st); err != nil {
+		t.Fatal(err)
+	}
+	if m := st.Mounts["ad"]; m == nil || m.State != admin.StateCurrent || m.Files != 1 || m.Dir != h.path("mnt", "ad") || !st.Sources["main"].Up {
+		t.Errorf("/status = %s", body)
+	}
+	if code, _ := unixGet(t, socket, "/healthz"); code != http.StatusOK {
+		t.Errorf("/healthz = %d", code)
+	}
+	_, metrics := unixGet(t, socket, "/metrics")
+	for _, want := range []string{`kvmount_mount_projected{mount="ad"} 1`, `kvmount_source_up{source="main"} 1`, `kvmount_projections_total{mount="ad",result="changed"} 1`} {
+		if !strings.Contains(metrics, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+	h.statusMu.Lock()
+	lines := strings.Join(h.statusLines, "\n")
+	h.statusMu.Unlock()
+	if !strings.Contains(lines, "1 mounts: 1 current") {
+		t.Errorf("STATUS= lines %q; want \"1 mounts: 1 current\"", lines)
+	}
+
+	h.etcd.Stop()
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		code, body := unixGet(t, socket, "/readyz")
+		if code == http.StatusServiceUnavailable && strings.Contains(body, "mount ad is stale") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/readyz during the outage = %d %q", code, body)
+		}
+	}
+	_, metrics = unixGet(t, socket, "/metrics")
+	if !strings.Contains(metrics, `kvmount_source_up{source="main"} 0`) {
+		t.Errorf("/metrics during the outage lacks kvmount_source_up 0")
+	}
+	if err := h.etcd.Restart(); err != nil {
+		t.Fatal(err)
+	}
+	h.statusMu.Lock()
+	lines = strings.Join(h.statusLines, "\n")
+	h.statusMu.Unlock()
+	if !strings.Contains(lines, "1 mounts: 1 stale (ad: source \"main\"") {
+		t.Errorf("STATUS= lines %q; want the stale mount and why", lines)
+	}
+}

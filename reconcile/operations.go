@@ -1,0 +1,290 @@
+package reconcile
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvmount/kvmount/command"
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/projector"
+)
+
+// The operations the reconciler's loop dispatches — set up, remount,
+// verify, collect, tear down — as the kubelet's operation executor runs
+// them beside its reconciler: each on its own goroutine, one at a time per
+// mount, touching only that mount's runtime and the disk.
+
+// runtime is what an operation needs beyond the ASW: the mount's open
+// atomic writer and what it last wrote. Only the loop touches it, except
+// while the mount's one operation runs.
+type runtime struct {
+	writer  *projector.AtomicWriter
+	spec    *config.Mount
+	written projector.Payload
+}
+
+// result is what an operation reports to the loop.
+type result struct {
+	op   Op
+	spec *config.Mount
+	// opened reports that the mount's directory is prepared and adopted
+	// (its writer open), whatever became of the write.
+	opened     bool
+	generation uint64
+	revision   string
+	version    string
+	collectAt  time.Time
+	payload    projector.Payload
+	change     projector.Change
+	drift      error
+	err        error
+	duration   time.Duration
+}
+
+// errTooLarge marks a payload refused for a tmpfs mount's size_limit.
+var errTooLarge = errors.New("payload too large")
+
+// execute runs one operation. It touches only the mount's runtime and the
+// disk.
+func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime) result {
+	start := time.Now()
+	res := result{op: op}
+	switch op.Kind {
+	case Setup, Remount:
+		res.spec, res.generation, res.revision, res.payload = d.Spec, d.Generation, d.Revision, d.Payload
+		res.change, res.err = r.project(op.Mount, d.Spec, rt, d.Payload)
+	case Teardown:
+		res.err = r.teardown(op.Mount, a, rt)
+	case Verify:
+		spec := rt.spec
+		if d != nil {
+			spec = d.Spec // a reload may have changed check_command, min_keys, ...
+			res.revision = d.Revision
+		}
+		res.spec, res.payload = spec, rt.written
+		res.drift, res.err = r.verify(op.Mount, spec, rt)
+	case Collect:
+		if rt.writer != nil {
+			_, res.err = rt.writer.Collect(time.Now())
+		}
+	}
+	if rt.writer != nil {
+		res.version = rt.writer.Version()
+		res.collectAt = rt.writer.CollectDue()
+		res.opened = op.Kind == Setup || op.Kind == Remount
+	}
+	res.duration = time.Since(start)
+	return res
+}
+
+// medium returns spec's medium.
+func medium(spec *config.Mount) projector.Medium {
+	return projector.Medium{Dir: spec.Dir, Tmpfs: spec.Medium == config.MediumTmpfs, SizeLimit: spec.SizeLimit, Mode: spec.DirMode, UID: spec.UID, GID: spec.GID}
+}
+
+// project writes payload into the mount, opening (and adopting) its
+// directory first if needed.
+func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, payload projector.Payload) (projector.Change, error) {
+	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID || rt.spec.DirMode != spec.DirMode || rt.spec.SizeLimit != spec.SizeLimit) {
+		// The writer and the tmpfs carry the directories' owner and mode
+		// and the size: open them anew.
+		rt.writer.Close()
+		rt.writer = nil
+	}
+	if err := medium(spec).CheckFits(payload); err != nil {
+		return projector.Change{}, fmt.Errorf("mount %q: %w: %w", name, errTooLarge, err)
+	}
+	if rt.writer == nil {
+		if err := r.open(name, spec, rt); err != nil {
+			return projector.Change{}, err
+		}
+	}
+	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
+		return projector.Change{}, err
+	}
+	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log.With("mount", name)))
+	change, err := rt.writer.Write(payload)
+	if errors.Is(err, syscall.ENOSPC) {
+		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
+	}
+	if err != nil {
+		return change, fmt.Errorf("mount %q: %w", name, err)
+	}
+	rt.written = payload
+	return change, nil
+}
+
+// HeldBackError is a payload the mount's guard rails keep from replacing
+// its content: fewer files than min_keys, or an empty payload over a
+// non-empty mount without allow_empty. It is no failure: the mount waits
+// for the next payload, reported stale.
+type HeldBackError struct {
+	Mount string
+	// Guard is "min_keys" or "allow_empty".
+	Guard  string
+	Reason string
+}
+
+// Error names the mount and says why its update was held back.
+func (e *HeldBackError) Error() string {
+	return fmt.Sprintf("mount %q: update held back: %s", e.Mount, e.Reason)
+}
+
+// holdBack returns a *HeldBackError when spec's guard rails refuse payload
+// over a mount that holds files files.
+func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
+	switch {
+	case len(payload) < spec.MinKeys:
+		return &HeldBackError{Mount: spec.Name, Guard: "min_keys", Reason: fmt.Sprintf("the payload has %d files, fewer than min_keys (%d)", len(payload), spec.MinKeys)}
+	case len(payload) == 0 && files > 0 && !spec.AllowEmpty:
+		return &HeldBackError{Mount: spec.Name, Guard: "allow_empty", Reason: fmt.Sprintf("an empty payload would replace %d files; set allow_empty = true to allow it", files)}
+	}
+	return nil
+}
+
+// checkCommand returns the Check that runs spec's check_command against a
+// new version directory ({{dir}} in an argument is its path; it also is the
+// working directory), or nil without one, as check_user when set. The
+// command fails the check by exiting non-zero or by outliving
+// check_timeout. Its output, cut to 4 KiB, is logged at debug level only:
+// a check may echo the secret values it reads. Cancelling ctx kills a
+// running command.
+func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(string) error {
+	if len(spec.CheckCommand) == 0 {
+		return nil
+	}
+	return func(dir string) error {
+		args := make([]string, len(spec.CheckCommand))
+		for i, a := range spec.CheckCommand {
+			args[i] = strings.ReplaceAll(a, "{{dir}}", dir)
+		}
+		out, err := command.Run(ctx, command.Spec{Argv: args, Dir: dir, Timeout: spec.CheckTimeout, UID: spec.CheckUID, GID: spec.CheckGID})
+		log.Debug("check_command finished", "command", args[0], "err", err, "output", out)
+		if err != nil {
+			return fmt.Errorf("check_command %s: %w (its output is logged at debug level)", args[0], err)
+		}
+		return nil
+	}
+}
+
+// open prepares the mount directory (projector.Medium: creating it,
+// mounting its tmpfs, giving it the configured mode and owner), records the
+// mount as owned and adopts what the directory holds. A directory or tmpfs
+// kvmount is about to create is recorded first, so that a crash in between
+// leaves nothing unowned. In a directory kvmount already owned, entries it
+// did not make are drift: they are removed and logged.
+func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
+	rec := Record{Dir: spec.Dir, Medium: spec.Medium}
+	old, owned := r.owned.Get(name)
+	owned = owned && old.Dir == spec.Dir
+	if owned {
+		rec.CreatedDir = old.CreatedDir
+	}
+	_, err := medium(spec).Prepare(func(createDir bool) error {
+		rec.CreatedDir = rec.CreatedDir || createDir
+		return r.owned.Set(name, rec)
+	})
+	if err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	w, err := projector.OpenAtomicWriter(spec.Dir, projector.WriterOptions{
+		Sync:    spec.Medium == config.MediumDisk,
+		DirMode: spec.DirMode,
+		DirUID:  spec.UID,
+		DirGID:  spec.GID,
+	})
+	if err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	if owned {
+		removed, err := w.RemoveStrays()
+		for _, entry := range removed {
+			r.log.Warn("removed an entry kvmount did not write from its mount", "mount", name, "dir", spec.Dir, "entry", entry)
+		}
+		if err != nil {
+			w.Close()
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
+	if _, err := w.Adopt(); err != nil {
+		w.Close()
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	if err := r.owned.Set(name, rec); err != nil {
+		w.Close()
+		return err
+	}
+	rt.writer, rt.spec = w, spec
+	return nil
+}
+
+// teardown removes what kvmount wrote into the mount's directory, unmounts
+// its tmpfs, removes the directory too if kvmount created it, and forgets
+// the mount.
+//
+// A mount directory that has become a symlink is refused with an error:
+// nothing behind it is read, removed or unmounted.
+func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
+	dir := a.Dir
+	rec, known := r.owned.Get(name)
+	exists, err := fsutil.DirExists(dir)
+	if err != nil {
+		return fmt.Errorf("mount %q: refusing to tear down: %w; nothing behind it was touched", name, err)
+	}
+	if !exists {
+		if rt.writer != nil {
+			rt.writer.Close()
+			rt.writer, rt.spec, rt.written = nil, nil, nil
+		}
+		return r.owned.Delete(name)
+	}
+	if rt.writer == nil {
+		w, err := projector.OpenAtomicWriter(dir, projector.WriterOptions{DirUID: -1, DirGID: -1})
+		if err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+		rt.writer = w
+	}
+	if err := rt.writer.Teardown(); err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	rt.writer.Close()
+	rt.writer, rt.spec, rt.written = nil, nil, nil
+	m := projector.Medium{Dir: dir, Tmpfs: a.Medium == config.MediumTmpfs}
+	err = m.Release(known && rec.CreatedDir && rec.Dir == dir)
+	switch {
+	case errors.Is(err, projector.ErrDirKept):
+		r.log.Warn("mount directory kept: it holds files kvmount did not write", "mount", name, "dir", dir, "err", err)
+	case err != nil:
+		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	return r.owned.Delete(name)
+}
+
+// verify compares the mount with the disk and, on drift, rewrites what was
+// last written, with spec — the mount's current configuration, so that its
+// current check_command and guard rails apply to the repair. It returns the
+// drift found and the repair's error.
+func (r *Reconciler) verify(name string, spec *config.Mount, rt *runtime) (drift, err error) {
+	if rt.writer == nil || rt.written == nil {
+		return nil, nil // adopted, not yet compared: the next remount does
+	}
+	drift = rt.writer.Verify()
+	if drift == nil {
+		return nil, nil
+	}
+	if !errors.Is(drift, projector.ErrDrift) {
+		return nil, fmt.Errorf("mount %q: %w", name, drift)
+	}
+	// Reopen: the directory itself may have been removed or replaced.
+	rt.writer.Close()
+	rt.writer = nil
+	_, err = r.project(name, spec, rt, rt.written)
+	return drift, err
+}
