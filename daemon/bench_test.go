@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -111,6 +114,19 @@ func consulStore(b *testing.B) benchStore {
 // into a disk mount after seeding it with keys, and returns the mount
 // directory once it holds them all.
 func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir string) {
+	return benchDaemonWith(b, store, keys, medium, benchExtras{})
+}
+
+// benchExtras are settings a benchmark adds to its daemon.
+type benchExtras struct {
+	// admin is [admin] address; "" turns the endpoint off.
+	admin string
+	// mount is appended to the [[mount]] table, such as notify entries.
+	mount string
+}
+
+// benchDaemonWith is benchDaemon with extra settings.
+func benchDaemonWith(b *testing.B, store benchStore, keys int, medium string, extra benchExtras) (dir string) {
 	b.Helper()
 	base := b.TempDir()
 	for i := 0; i < keys; i += 100 {
@@ -124,8 +140,8 @@ func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir s
 	if medium == "tmpfs" {
 		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 	}
-	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = \"\"\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n",
-		filepath.Join(base, "state"), store.source, dir, store.prefix, medium)
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = %q\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n%s",
+		filepath.Join(base, "state"), extra.admin, store.source, dir, store.prefix, medium, extra.mount)
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
@@ -258,6 +274,90 @@ func BenchmarkOneChangeIn1000KeyMount(b *testing.B) {
 			store := etcdStore(b)
 			dir := benchDaemon(b, store, 1000, medium)
 			measureUpdates(b, store, dir, func(i int) string { return fmt.Sprintf("key-%05d", (i*7)%1000) })
+		})
+	}
+}
+
+// BenchmarkObservability measures what the admin endpoint and notification
+// cost: two daemons follow two prefixes of one etcd, one plain and one with
+// the admin endpoint (scraped once per update) and a command notifier
+// (`true`) after a webhook; updates alternate between them, and which goes
+// first alternates too, so that both see the same machine at the same
+// moments. It reports both propagation
+// latencies and, for the observed daemon, the time from the switch of
+// ..data to the webhook's arrival (the notifier's start).
+func BenchmarkObservability(b *testing.B) {
+	for _, medium := range []string{"disk", "tmpfs"} {
+		b.Run(medium, func(b *testing.B) {
+			store := etcdStore(b)
+			arrived := make(chan time.Time, 1)
+			hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				t := time.Now()
+				select {
+				case arrived <- t:
+				default:
+				}
+				_, _ = io.Copy(io.Discard, r.Body)
+			}))
+			b.Cleanup(hook.Close)
+			plainStore, observedStore := store, store
+			plainStore.prefix, observedStore.prefix = "/plain/", "/observed/"
+			plain := benchDaemonWith(b, plainStore, 1, medium, benchExtras{})
+			socket := filepath.Join(b.TempDir(), "admin.sock")
+			observed := benchDaemonWith(b, observedStore, 1, medium, benchExtras{
+				admin: "unix:" + socket,
+				mount: fmt.Sprintf("  [[mount.notify]]\n  webhook = %q\n  [[mount.notify]]\n  command = [\"true\"]\n", hook.URL),
+			})
+			scrape := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, "unix", socket)
+			}}}
+			wp, wo := watchSwitches(b, plain), watchSwitches(b, observed)
+			var plainLat, obsLat, notifyLat []time.Duration
+			select {
+			case <-arrived: // the first projection's notification
+			case <-time.After(waitTimeout):
+				b.Fatal("no notification of the first projection")
+			}
+			b.ResetTimer()
+			type side struct {
+				store benchStore
+				w     *switchWatcher
+				lat   *[]time.Duration
+			}
+			sides := []side{{plainStore, wp, &plainLat}, {observedStore, wo, &obsLat}}
+			for i := range b.N {
+				// Alternate which daemon goes first, so that neither
+				// always follows the other's fsyncs.
+				slices.Reverse(sides)
+				for _, side := range sides {
+					start := time.Now()
+					if err := side.store.put(side.store.prefix+"key-00000", fmt.Sprintf("update %d", i)); err != nil {
+						b.Fatal(err)
+					}
+					side.w.wait(b)
+					switched := time.Now()
+					*side.lat = append(*side.lat, switched.Sub(start))
+					if side.w == wo {
+						select {
+						case t := <-arrived:
+							notifyLat = append(notifyLat, t.Sub(switched))
+						case <-time.After(waitTimeout):
+							b.Fatal("no notification")
+						}
+						resp, err := scrape.Get("http://kvmount/metrics")
+						if err != nil {
+							b.Fatal(err)
+						}
+						_, _ = io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				}
+			}
+			b.StopTimer()
+			report(b, "plain-e2e", plainLat)
+			report(b, "observed-e2e", obsLat)
+			report(b, "switch-to-notify", notifyLat)
 		})
 	}
 }

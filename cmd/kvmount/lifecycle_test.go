@@ -8,16 +8,20 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 )
 
 // notifySocket listens where a Type=notify service's NOTIFY_SOCKET points
-// and collects the datagrams sd_notify sends.
+// and records the datagrams sd_notify sends.
 type notifySocket struct {
 	path string
-	msgs chan string
+
+	mu      sync.Mutex
+	history []string
+	cursor  int // wait's position in history
 }
 
 func listenNotify(t *testing.T) *notifySocket {
@@ -28,7 +32,7 @@ func listenNotify(t *testing.T) *notifySocket {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	n := &notifySocket{path: path, msgs: make(chan string, 100)}
+	n := &notifySocket{path: path}
 	go func() {
 		buf := make([]byte, 4096)
 		for {
@@ -36,25 +40,51 @@ func listenNotify(t *testing.T) *notifySocket {
 			if err != nil {
 				return
 			}
-			n.msgs <- string(buf[:k])
+			n.mu.Lock()
+			n.history = append(n.history, string(buf[:k]))
+			n.mu.Unlock()
 		}
 	}()
 	return n
 }
 
-// wait waits for a message holding want.
+// wait waits for a message holding want after the one the last wait
+// matched: messages in order.
 func (n *notifySocket) wait(t *testing.T, want string) {
 	t.Helper()
-	deadline := time.After(waitTimeout)
+	n.find(t, want, true)
+}
+
+// seen waits for a message holding want, at any position.
+func (n *notifySocket) seen(t *testing.T, want string) {
+	t.Helper()
+	n.find(t, want, false)
+}
+
+func (n *notifySocket) find(t *testing.T, want string, ordered bool) {
+	t.Helper()
+	deadline := time.Now().Add(waitTimeout)
 	for {
-		select {
-		case m := <-n.msgs:
-			if strings.Contains(m, want) {
+		n.mu.Lock()
+		from := 0
+		if ordered {
+			from = n.cursor
+		}
+		for i := from; i < len(n.history); i++ {
+			if strings.Contains(n.history[i], want) {
+				if ordered {
+					n.cursor = i + 1
+				}
+				n.mu.Unlock()
 				return
 			}
-		case <-deadline:
-			t.Fatalf("no %q on NOTIFY_SOCKET", want)
 		}
+		history := strings.Join(n.history, " | ")
+		n.mu.Unlock()
+		if time.Now().After(deadline) {
+			t.Fatalf("no %q on NOTIFY_SOCKET; got %s", want, history)
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 }
 
@@ -80,6 +110,29 @@ func childRunning(parent int, argv ...string) bool {
 	return false
 }
 
+// writeAppConfig writes a configuration with the admin endpoint at admin
+// ("" for none) and one mount "app" of /app/, with extra lines in its table.
+func (e *env) writeAppConfig(admin, extra string) {
+	e.t.Helper()
+	cfg := fmt.Sprintf(`state_dir = %q
+[admin]
+address = %q
+[sources.main]
+type = "etcd"
+endpoints = [%q]
+dial_timeout = "1s"
+[[mount]]
+name = "app"
+dir = %q
+source = "main"
+prefix = "/app/"
+%s
+`, filepath.Join(e.base, "state"), admin, e.etcd.Endpoint(), e.dir("app"), extra)
+	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
 // TestLifecycle runs the binary as systemd would: READY=1 once projected,
 // RELOADING=1 and READY=1 around SIGHUP, STOPPING=1 as soon as SIGTERM
 // arrives even while a check command holds a write; a second SIGTERM kills
@@ -88,23 +141,8 @@ func TestLifecycle(t *testing.T) {
 	e := newEnv(t)
 	notify := listenNotify(t)
 	e.put("/app/a", "1")
-	cfg := fmt.Sprintf(`state_dir = %q
-[admin]
-address = ""
-[sources.main]
-type = "etcd"
-endpoints = [%q]
-[[mount]]
-name = "app"
-dir = %q
-source = "main"
-prefix = "/app/"
-check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 60"]
-check_timeout = "5m"
-`, filepath.Join(e.base, "state"), e.etcd.Endpoint(), e.dir("app"))
-	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	e.writeAppConfig("", `check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 60"]
+check_timeout = "5m"`)
 	cmd, logs := e.startEnv([]string{"NOTIFY_SOCKET=" + notify.path}, "run")
 	notify.wait(t, "READY=1")
 	waitFile(t, filepath.Join(e.dir("app"), "a"), "1")
@@ -164,22 +202,7 @@ check_timeout = "5m"
 func TestSIGTERMFinishesTheWriteInProgress(t *testing.T) {
 	e := newEnv(t)
 	e.put("/app/a", "1")
-	cfg := fmt.Sprintf(`state_dir = %q
-[admin]
-address = ""
-[sources.main]
-type = "etcd"
-endpoints = [%q]
-[[mount]]
-name = "app"
-dir = %q
-source = "main"
-prefix = "/app/"
-check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 1"]
-`, filepath.Join(e.base, "state"), e.etcd.Endpoint(), e.dir("app"))
-	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	e.writeAppConfig("", `check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 1"]`)
 	cmd, logs := e.start("run")
 	waitFile(t, filepath.Join(e.dir("app"), "a"), "1")
 	e.put("/app/slow", "x")
@@ -200,4 +223,50 @@ check_command = ["sh", "-c", "test ! -e {{dir}}/slow || exec sleep 1"]
 		t.Errorf("the write in progress at SIGTERM did not finish: slow = %q, %v; logs:\n%s", data, err, logs)
 	}
 	checkOneVersion(t, e.dir("app"))
+}
+
+// TestStatusCommandAndWatchdog runs the binary with an admin socket and
+// systemd's watchdog enabled: WATCHDOG=1 and STATUS= arrive on the notify
+// socket; kvmount status exits 0 while every mount is current, 1 while
+// one is stale, 2 once the daemon is gone.
+func TestStatusCommandAndWatchdog(t *testing.T) {
+	e := newEnv(t)
+	notify := listenNotify(t)
+	socket := filepath.Join(e.base, "admin.sock")
+	e.put("/app/a", "1")
+	e.writeAppConfig("unix:"+socket, "")
+	cmd, logs := e.startEnv([]string{"NOTIFY_SOCKET=" + notify.path, "WATCHDOG_USEC=200000"}, "run")
+	notify.wait(t, "READY=1")
+	notify.seen(t, "STATUS=1 mounts: 1 current")
+	notify.wait(t, "WATCHDOG=1")
+	notify.wait(t, "WATCHDOG=1")
+	status := func(want int, lines ...string) {
+		t.Helper()
+		deadline := time.Now().Add(waitTimeout)
+		for {
+			code, out, errOut := runCmd("status", "-config", e.config)
+			ok := code == want
+			for _, l := range lines {
+				ok = ok && strings.Contains(out+errOut, l)
+			}
+			if ok {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("kvmount status = %d\n%s%s\nwant %d and %q; daemon logs:\n%s", code, out, errOut, want, lines, logs)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	status(0, "app", "current")
+	e.etcd.Stop()
+	status(1, "app", "stale", "source main is down")
+	notify.seen(t, "STATUS=1 mounts: 1 stale (app: source \"main\"")
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatalf("exit %v; logs:\n%s", err, logs)
+	}
+	status(2, "cannot be reached")
 }
