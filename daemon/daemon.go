@@ -159,7 +159,7 @@ func (d *daemon) openSources(cfg *config.Config) (map[string]instance, error) {
 			out[name] = old
 			continue
 		}
-		src, err := d.opts.Registry.Open(sc, d.log)
+		src, err := d.opts.Registry.Open(sc, source.Env{Log: d.log})
 		if err != nil {
 			for _, s := range fresh {
 				s.Close()

@@ -60,7 +60,17 @@ type Kind struct {
 	Decode config.SourceDecoder
 	// Open makes a Source from what Decode returned. It starts nothing;
 	// Follow does.
-	Open func(name string, settings any, log *slog.Logger) (Source, error)
+	Open func(name string, settings any, env Env) (Source, error)
+}
+
+// Env is what every source is given besides its own settings, so that
+// what kvmount hands its sources grows here, not in every Open's
+// parameters. A source's health and snapshots reach the rest of kvmount
+// through the Publisher of each Follow (the populator turns them into
+// source events for metrics and status).
+type Env struct {
+	// Log is the source's logger, with the source's name attached.
+	Log *slog.Logger
 }
 
 // Registry is the table of source kinds kvmount knows.
@@ -95,13 +105,15 @@ func (r *Registry) Names() []string {
 	return slices.Sorted(maps.Keys(r.kinds))
 }
 
-// Open makes the Source that src configures.
-func (r *Registry) Open(src *config.Source, log *slog.Logger) (Source, error) {
+// Open makes the Source that src configures; env.Log gets the source's
+// name attached.
+func (r *Registry) Open(src *config.Source, env Env) (Source, error) {
 	k, ok := r.kinds[src.Type]
 	if !ok {
 		return nil, fmt.Errorf("source %q: unknown type %q; want one of %s", src.Name, src.Type, strings.Join(r.Names(), ", "))
 	}
-	s, err := k.Open(src.Name, src.Settings, log.With("source", src.Name))
+	env.Log = env.Log.With("source", src.Name)
+	s, err := k.Open(src.Name, src.Settings, env)
 	if err != nil {
 		return nil, fmt.Errorf("source %q: %w", src.Name, err)
 	}

@@ -110,12 +110,12 @@ func Decode(sec *config.Section) any {
 	return c
 }
 
-func open(name string, settings any, log *slog.Logger) (source.Source, error) {
+func open(name string, settings any, env source.Env) (source.Source, error) {
 	c, ok := settings.(*Config)
 	if !ok {
 		return nil, fmt.Errorf("source/consul: settings are %T, not *consul.Config", settings)
 	}
-	return New(name, c, log)
+	return New(name, c, env.Log)
 }
 
 // Source follows prefixes of one Consul agent.
