@@ -6,8 +6,14 @@ LDFLAGS := -X main.version=$(VERSION)
 
 .DEFAULT_GOAL := help
 STATICCHECK := honnef.co/go/tools/cmd/staticcheck@v0.8.2
+NFPM        := github.com/goreleaser/nfpm/v2/cmd/nfpm@v2.45.0
+MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
+# The package version: the latest v* tag without its v, else 0.0.0~git<commit>
+# (a version that sorts before any release, in deb and rpm alike).
+PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
+PKG_ARCHS   ?= amd64 arm64
 
-.PHONY: help build test fmt vet staticcheck consul-agent demo bench clean
+.PHONY: help build test fmt vet staticcheck consul-agent demo bench package clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-8s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -38,6 +44,19 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -benchmem -benchtime 1000x -count 1 ./daemon
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
+
+package: ## build the .deb and .rpm packages (amd64, arm64) into dist/ with nfpm (pinned, run through go run)
+	rm -rf dist && mkdir -p dist/pkg
+	$(GO) run $(MD2MAN) -in packaging/kvmount.8.md -out dist/pkg/kvmount.8
+	gzip -9nf dist/pkg/kvmount.8
+	for arch in $(PKG_ARCHS); do \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch $(GO) build -trimpath -ldflags '-X main.version=$(PKG_VERSION)' -o dist/pkg/kvmount ./cmd/kvmount || exit 1; \
+		for format in deb rpm; do \
+			ARCH=$$arch VERSION=$(PKG_VERSION) $(GO) run $(NFPM) package -f packaging/nfpm.yaml -p $$format -t dist/ || exit 1; \
+		done; \
+	done
+	rm -rf dist/pkg
+	@ls -1 dist/*.deb dist/*.rpm
 
 clean: ## remove build output
 	rm -rf bin dist

@@ -75,7 +75,7 @@ func change(mount, version string) Change {
 // environment, in the mount's directory.
 func TestCommandGetsTheChange(t *testing.T) {
 	out := filepath.Join(t.TempDir(), "env")
-	n, r := start(t, "app", config.Notify{Kind: config.NotifyCommand, Command: []string{"sh", "-c", "env | grep ^KVMOUNT_ | sort > " + out}, Timeout: 5 * time.Second})
+	n, r := start(t, "app", config.Notify{Kind: config.NotifyCommand, Command: []string{"sh", "-c", "env | grep -E '^KVMOUNT_(MOUNT|DIR|VERSION|REVISION)=' | sort > " + out}, Timeout: 5 * time.Second})
 	c := change("app", "..v1")
 	c.Dir = t.TempDir()
 	n.Notify(c)

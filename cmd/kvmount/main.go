@@ -11,6 +11,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -95,7 +96,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var err error
 	switch cmd {
 	case "version":
-		fmt.Fprintln(stdout, "kvmount", buildVersion())
+		fmt.Fprintf(stdout, "kvmount %s (commit %s, %s)\n", buildVersion(), buildCommit(), runtime.Version())
 		return exitOK
 	case "check":
 		var cfg *config.Config
@@ -192,6 +193,22 @@ func notifySystemd(state string) {
 		msg = "STATUS=" + text
 	}
 	_, _ = sddaemon.SdNotify(false, msg)
+}
+
+// buildCommit returns the VCS revision Go recorded at build time, or
+// "unknown".
+func buildCommit() string {
+	if info, ok := debug.ReadBuildInfo(); ok {
+		for _, s := range info.Settings {
+			if s.Key == "vcs.revision" {
+				if len(s.Value) > 12 {
+					return s.Value[:12]
+				}
+				return s.Value
+			}
+		}
+	}
+	return "unknown"
 }
 
 // buildVersion returns the version set at build time, else the module
