@@ -1,0 +1,281 @@
+package packaging
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/roottest"
+)
+
+// waitTimeout bounds every wait on the container.
+const waitTimeout = 60 * time.Second
+
+// rootfs returns a minimal Debian 12 root file system with systemd and
+// D-Bus (and procps, which the package depends on), made once with debootstrap (from Debian's packages) and cached
+// outside the repository under ~/.cache/kvmount/.
+func rootfs(t *testing.T) string {
+	t.Helper()
+	cache := os.Getenv("XDG_CACHE_HOME")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache")
+	}
+	dir := filepath.Join(cache, "kvmount", "rootfs-bookworm-v2")
+	if _, err := os.Stat(filepath.Join(dir, "usr/lib/systemd/systemd")); err == nil {
+		return dir
+	}
+	tmp := dir + ".tmp"
+	_ = os.RemoveAll(tmp)
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("building %s with debootstrap (once; about a minute or two)", dir)
+	out, err := exec.Command("debootstrap", "--variant=minbase", "--include=systemd,systemd-sysv,dbus,procps", "bookworm", tmp, "http://deb.debian.org/debian").CombinedOutput()
+	if err != nil {
+		t.Fatalf("debootstrap: %v\n%s", err, lastLines(string(out), 20))
+	}
+	if err := os.Rename(tmp, dir); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return strings.Join(lines[max(0, len(lines)-n):], "\n")
+}
+
+// container is a booted systemd in an ephemeral copy of the root file
+// system; commands run in it through nsenter.
+type container struct {
+	t    *testing.T
+	cmd  *exec.Cmd
+	init int // the container's PID 1, as the host sees it
+}
+
+// boot starts systemd in an ephemeral container sharing the host's
+// network, with dist/ bound read-only at /dist, and waits until it runs.
+func boot(t *testing.T, dist string) *container {
+	t.Helper()
+	cmd := exec.Command("systemd-nspawn", "--ephemeral", "--register=no", "--keep-unit", "--quiet", "-b",
+		"-D", rootfs(t), "--bind-ro="+dist+":/dist")
+	var console strings.Builder
+	cmd.Stdout, cmd.Stderr = &console, &console
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	c := &container{t: t, cmd: cmd}
+	t.Cleanup(func() {
+		// SIGTERM makes nspawn power the container off; the ephemeral
+		// copy goes with it.
+		_ = cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(30 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+		if t.Failed() {
+			t.Logf("container console:\n%s", lastLines(console.String(), 40))
+		}
+	})
+	deadline := time.Now().Add(waitTimeout)
+	// nspawn's child named systemd is the container's init; another child
+	// may come and go first (the ephemeral copy).
+	for c.init == 0 {
+		if data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", cmd.Process.Pid, cmd.Process.Pid)); err == nil {
+			for _, f := range strings.Fields(string(data)) {
+				if comm, _ := os.ReadFile("/proc/" + f + "/comm"); strings.TrimSpace(string(comm)) == "systemd" {
+					c.init, _ = strconv.Atoi(f)
+				}
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the container's init never started:\n%s", console.String())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	for {
+		out, _ := c.try("systemctl", "is-system-running")
+		if s := strings.TrimSpace(out); s == "running" || s == "degraded" {
+			return c
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("systemd never finished booting (%q):\n%s", out, console.String())
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// try runs argv in the container and returns its output and error.
+func (c *container) try(argv ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, "nsenter", append([]string{"-t", strconv.Itoa(c.init), "-a", "--"}, argv...)...).CombinedOutput()
+	return string(out), err
+}
+
+// sh runs a shell command in the container, failing the test on error.
+func (c *container) sh(script string) string {
+	c.t.Helper()
+	out, err := c.try("sh", "-c", script)
+	if err != nil {
+		c.t.Fatalf("in the container: %s: %v\n%s", script, err, out)
+	}
+	return strings.TrimSpace(out)
+}
+
+// waitFor waits until script prints want.
+func (c *container) waitFor(script, want string) {
+	c.t.Helper()
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		out, _ := c.try("sh", "-c", script)
+		if strings.TrimSpace(out) == want {
+			return
+		}
+		if time.Now().After(deadline) {
+			logs, _ := c.try("sh", "-c", "journalctl -u kvmount --no-pager | grep -v level=DEBUG | tail -n 25")
+			c.t.Fatalf("%s prints %q; want %q\nkvmount's journal:\n%s", script, out, want, logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestOnBootedSystemd installs the .deb on a real systemd and runs it as an
+// operator would: enabled and started, Type=notify with a status, a reload
+// that adds a disk and a tmpfs mount (the tmpfs visible outside the
+// service), an update, a systemd_unit notification over D-Bus, a SIGKILL
+// that systemd answers with a restart that adopts the mounts without
+// rewriting them, a reinstall that keeps an edited conffile, a stop that
+// keeps the content, and a purge.
+func TestOnBootedSystemd(t *testing.T) {
+	roottest.Require(t)
+	requireTools(t, map[string]string{"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"})
+	pkgs := buildPackages(t)
+	srv, cli := etcdtest.Start(t) // on 127.0.0.1: the container shares the host's network
+	etcdtest.Put(t, cli, "/web/site.conf", "listen 80;", "/secrets/db", "hunter2")
+	c := boot(t, filepath.Join(repo, "dist"))
+	deb := "/dist/" + filepath.Base(pkgs["deb/"+runtimeArch()])
+
+	start := time.Now()
+	c.sh("dpkg -i " + deb)
+	c.waitFor("systemctl is-active kvmount", "active")
+	if got := c.sh("systemctl is-enabled kvmount"); got != "enabled" {
+		t.Errorf("after install: %s; want enabled", got)
+	}
+	if got := c.sh("systemctl show -p Type --value kvmount"); got != "notify" {
+		t.Errorf("Type=%s; want notify", got)
+	}
+	c.waitFor("systemctl show -p StatusText --value kvmount", "0 mounts")
+	if out, err := c.try("systemd-analyze", "verify", "--man=no", "/usr/lib/systemd/system/kvmount.service"); err != nil {
+		t.Errorf("systemd-analyze verify: %v\n%s", err, out)
+	}
+	security := c.sh("systemd-analyze security kvmount --no-pager | tail -1")
+	t.Logf("systemd-analyze security: %s", security)
+
+	// A unit that counts its reloads, for the systemd_unit notifier.
+	c.sh("cat > /etc/systemd/system/counter.service <<'UNIT_END'\n[Service]\nExecStart=/bin/sleep infinity\nExecReload=/bin/sh -c 'echo reload >> /var/tmp/reloads'\nUNIT_END\nsystemctl daemon-reload && systemctl start counter")
+	config := fmt.Sprintf(`
+[sources.main]
+type = "etcd"
+endpoints = [%q]
+
+[[mount]]
+name = "web"
+dir = "/srv/web"
+source = "main"
+prefix = "/web/"
+  [[mount.notify]]
+  systemd_unit = "counter.service"
+  action = "reload"
+
+[[mount]]
+name = "secrets"
+dir = "/run/secrets"
+medium = "tmpfs"
+default_mode = "0400"
+source = "main"
+prefix = "/secrets/"
+`, srv.Endpoint())
+	c.sh("cat >> /etc/kvmount/kvmount.toml <<'KVMOUNT_END'" + config + "KVMOUNT_END")
+	c.sh("kvmount check -config /etc/kvmount/kvmount.toml && systemctl reload kvmount")
+	c.waitFor("cat /srv/web/site.conf", "listen 80;")
+	c.waitFor("cat /run/secrets/db", "hunter2")
+	// This shell is outside the service: the tmpfs is visible here.
+	if got := c.sh("findmnt -n -o SOURCE,FSTYPE /run/secrets"); strings.Join(strings.Fields(got), " ") != "kvmount tmpfs" {
+		t.Errorf("findmnt /run/secrets = %q; want kvmount's tmpfs", got)
+	}
+	c.waitFor("systemctl show -p StatusText --value kvmount", "2 mounts: 2 current")
+	c.waitFor("wc -l < /var/tmp/reloads", "1") // the first projection
+
+	etcdtest.Put(t, cli, "/web/site.conf", "listen 8080;")
+	c.waitFor("cat /srv/web/site.conf", "listen 8080;")
+	c.waitFor("wc -l < /var/tmp/reloads", "2")
+
+	// SIGKILL: systemd restarts it; the mounts are adopted, not rewritten.
+	web, secrets := c.sh("readlink /srv/web/..data"), c.sh("readlink /run/secrets/..data")
+	pid := c.sh("systemctl show -p MainPID --value kvmount")
+	c.sh("systemctl kill -s KILL kvmount")
+	deadline := time.Now().Add(waitTimeout)
+	for {
+		now := c.sh("systemctl show -p MainPID --value kvmount")
+		if now != pid && now != "0" && c.sh("systemctl is-active kvmount || true") == "active" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kvmount not restarted after SIGKILL (MainPID %s)", now)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	c.waitFor("systemctl show -p StatusText --value kvmount", "2 mounts: 2 current")
+	if w, s := c.sh("readlink /srv/web/..data"), c.sh("readlink /run/secrets/..data"); w != web || s != secrets {
+		t.Errorf("after the restart ..data -> %s, %s; want %s, %s (adopted, not rewritten)", w, s, web, secrets)
+	}
+	if n := c.sh("findmnt -n /run/secrets | wc -l"); n != "1" {
+		t.Errorf("%s mounts at /run/secrets after the restart; want 1", n)
+	}
+	if got := c.sh("wc -l < /var/tmp/reloads"); got != "2" {
+		t.Errorf("reloads after the restart: %s; want 2 (an adoption notifies nothing)", got)
+	}
+
+	// Reinstalling keeps the edited conffile.
+	c.sh("DEBIAN_FRONTEND=noninteractive dpkg -i --force-confold " + deb)
+	if got := c.sh("grep -c '^name = ' /etc/kvmount/kvmount.toml"); got != "2" {
+		t.Errorf("the edited conffile lost its mounts on reinstall (%s)", got)
+	}
+	c.waitFor("systemctl is-active kvmount", "active")
+
+	// A stop keeps the content.
+	c.sh("systemctl stop kvmount")
+	if got := c.sh("cat /srv/web/site.conf"); got != "listen 8080;" {
+		t.Errorf("after stop: %q", got)
+	}
+	// A purge removes the unit, the configuration and the state.
+	c.sh("dpkg --purge kvmount")
+	for _, path := range []string{"/usr/lib/systemd/system/kvmount.service", "/etc/kvmount", "/var/lib/kvmount", "/usr/bin/kvmount"} {
+		if out, err := c.try("test", "-e", path); err == nil {
+			t.Errorf("%s still exists after purge %s", path, out)
+		}
+	}
+	t.Logf("install to purge on a booted systemd: %v", time.Since(start).Round(time.Millisecond))
+}
+
+// runtimeArch is the Debian architecture of this machine.
+func runtimeArch() string {
+	out, err := exec.Command("dpkg", "--print-architecture").Output()
+	if err != nil {
+		return "amd64"
+	}
+	return strings.TrimSpace(string(out))
+}
