@@ -91,13 +91,13 @@ func TestPackageContents(t *testing.T) {
 	requireTools(t, map[string]string{"dpkg-deb": "dpkg", "rpm": "rpm"})
 	pkgs := buildPackages(t)
 	wantFiles := map[string]string{ // path → mode as ls shows it
-		"./usr/bin/kvmount":                            "-rwxr-xr-x",
-		"./usr/lib/systemd/system/kvmount.service":     "-rw-r--r--",
-		"./etc/kvmount/kvmount.toml":                   "-rw-r-----",
-		"./usr/share/man/man8/kvmount.8.gz":            "-rw-r--r--",
-		"./usr/share/doc/kvmount/copyright":            "-rw-r--r--",
-		"./usr/share/doc/kvmount/notify-reload.conf":   "-rw-r--r--",
-		"./usr/share/doc/kvmount/examples/etcd.toml":   "-rw-r--r--",
+		"./usr/bin/kvmount":                             "-rwxr-xr-x",
+		"./usr/lib/systemd/system/kvmount.service":      "-rw-r--r--",
+		"./etc/kvmount/kvmount.toml":                    "-rw-r-----",
+		"./usr/share/man/man8/kvmount.8.gz":             "-rw-r--r--",
+		"./usr/share/doc/kvmount/copyright":             "-rw-r--r--",
+		"./usr/share/doc/kvmount/notify-reload.conf":    "-rw-r--r--",
+		"./usr/share/doc/kvmount/examples/etcd.toml":    "-rw-r--r--",
 		"./usr/share/doc/kvmount/examples/service.toml": "-rw-r--r--",
 	}
 	for _, arch := range []string{"amd64", "arm64"} {
@@ -177,4 +177,3 @@ func containsLine(list, mode, path string) bool {
 	}
 	return false
 }
-
