@@ -137,6 +137,12 @@ type Mount struct {
 	Notify []Notify
 	// Wait is the mount's quiescence; zero Min means none.
 	Wait Wait
+	// Templates are files rendered from the mount's keys, parsed from
+	// [[mount.templates]].
+	Templates []*projector.Template
+	// KeysAsFiles projects the keys as files; false makes them feed the
+	// templates only.
+	KeysAsFiles bool
 	// CheckUID and CheckGID are the user and group CheckCommand runs as
 	// (check_user: a name, whose primary group applies, or a numeric id,
 	// whose group is the same number when no such user exists); -1 runs it
@@ -340,6 +346,11 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 		m.Projections = []Projection{decodeProjection(sec, cfg, m.Optional, paths)}
 	} else {
 		sec.Errorf("", "source is missing: set source and prefix, or [[mount.projections]]")
+	}
+	m.Templates = decodeTemplates(sec, paths)
+	m.KeysAsFiles = sec.Bool("keys_as_files", true)
+	if !m.KeysAsFiles && len(m.Templates) == 0 {
+		sec.Errorf("keys_as_files", "false makes the keys feed templates only, and the mount has no [[mount.templates]]")
 	}
 	return m
 }

@@ -501,3 +501,67 @@ func TestNotifyWaitAdmin(t *testing.T) {
 		}
 	}
 }
+
+// TestTemplates decodes [[mount.templates]]: a file and inline text,
+// syntax errors at the template file's line or at the config file's line
+// of the inline text's line, env refused, collisions named, keys_as_files.
+func TestTemplates(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good.tmpl")
+	bad := filepath.Join(dir, "bad.tmpl")
+	if err := os.WriteFile(good, []byte(`listen {{ key "port" }};`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(bad, []byte("line 1\nline 2 {{ env \"HOME\" }}\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	head := "[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"s\"\nprefix = \"a/\"\n" // lines 1-7
+	valid := head + fmt.Sprintf("keys_as_files = false\n  [[mount.templates]]\n  path = \"nginx.conf\"\n  file = %q\n  mode = \"0600\"\n  [[mount.templates]]\n  path = \"x/inline\"\n  text = '{{ keyOrDefault \"x\" \"y\" }}'\n", good)
+	cfg, err := Parse("k.toml", []byte(valid), testKinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := cfg.Mounts[0]
+	if m.KeysAsFiles || len(m.Templates) != 2 || m.Templates[0].Path != "nginx.conf" || m.Templates[0].Mode != 0o600 || m.Templates[1].Origin != "k.toml:15" {
+		t.Fatalf("decoded keys_as_files %v, templates %+v", m.KeysAsFiles, m.Templates)
+	}
+	if def, _ := Parse("k.toml", []byte(head), testKinds); !def.Mounts[0].KeysAsFiles {
+		t.Errorf("keys_as_files defaults to false")
+	}
+	invalid := head + fmt.Sprintf(`  [[mount.items]]
+  key = "k"
+  path = "same"
+  [[mount.templates]]
+  path = "same"
+  text = "x"
+  [[mount.templates]]
+  path = "bad"
+  file = %q
+  [[mount.templates]]
+  path = "inline"
+  text = """
+ok
+{{ if }}"""
+  [[mount.templates]]
+  path = "two"
+  text = "x"
+  [[mount.templates]]
+  path = "two"
+  text = "y"
+`, bad)
+	_, err = Parse("k.toml", []byte(invalid), testKinds)
+	for _, w := range []string{
+		`k.toml:12: mount[0].templates[0].path: "same" is also the path of an item`,
+		`k.toml:16: mount[0].templates[1].file: template: ` + bad + `:2: function "env" not defined`,
+		`k.toml:21: mount[0].templates[2].text: template: missing value for if`,
+		`k.toml:26: mount[0].templates[4].path: "two" is also the path of templates[3]`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), w) {
+			t.Errorf("errors:\n%v\nwant %q", err, w)
+		}
+	}
+	_, err = Parse("k.toml", []byte(head+"keys_as_files = false\n"), testKinds)
+	if err == nil || !strings.Contains(err.Error(), "k.toml:8: mount[0].keys_as_files: false makes the keys feed templates only") {
+		t.Errorf("keys_as_files without templates: %v", err)
+	}
+}

@@ -49,6 +49,12 @@ type Options struct {
 	MaxValueSize int64
 	// MaxSize is the largest payload accepted, in bytes; 0 for no limit.
 	MaxSize int64
+	// Templates are rendered into the payload from the mount's keys (by
+	// their paths in the mount), each limited to MaxValueSize.
+	Templates []*Template
+	// KeysOnlyForTemplates keeps the keys out of the payload: they feed
+	// the templates only (keys_as_files = false).
+	KeysOnlyForTemplates bool
 }
 
 // ErrPathTaken is the reason of a *KeyError for a key whose path cleans to
@@ -73,6 +79,12 @@ func (e *KeyError) Error() string {
 // Unwrap returns the reason, such as an error wrapping ErrInvalidPath.
 func (e *KeyError) Unwrap() error { return e.Err }
 
+// origin is the projection and key that produced a path.
+type origin struct {
+	projection int
+	key        string // full key
+}
+
 // MakePayload builds the payload of mount from its projections with the
 // kubelet's MakePayload rules: a projection without items contributes every
 // key, the key minus the prefix being the path; with items only those keys,
@@ -89,10 +101,6 @@ func (e *KeyError) Unwrap() error { return e.Err }
 // opts.MaxSize.
 func MakePayload(mount string, projections []Projection, opts Options) (Payload, []*KeyError, error) {
 	payload := Payload{}
-	type origin struct {
-		projection int
-		key        string // full key
-	}
 	owner := map[string]origin{} // path → the projection and key that produced it
 	dirs := map[string]bool{}    // directories that payload's paths need
 	var rejected []*KeyError
@@ -162,12 +170,67 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			}
 		}
 	}
+	if len(opts.Templates) > 0 {
+		var err error
+		if payload, err = renderTemplates(mount, payload, owner, opts); err != nil {
+			return nil, nil, err
+		}
+	}
 	if opts.MaxSize > 0 {
 		if size := payload.Size(); size > opts.MaxSize {
 			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes exceeds max_mount_size (%d bytes); the largest file is %q", mount, size, opts.MaxSize, largest(payload))
 		}
 	}
 	return payload, rejected, nil
+}
+
+// renderTemplates renders opts.Templates over the keys of payload (whose
+// origins owner names) and returns the payload with the rendered files —
+// and without the keys when they feed the templates only. A rendered path
+// that is also a key's path, or that is a file and a directory at once,
+// fails the mount with an error naming both.
+func renderTemplates(mount string, payload Payload, owner map[string]origin, opts Options) (Payload, error) {
+	keys := make(map[string][]byte, len(payload))
+	for p, f := range payload {
+		keys[p] = f.Data
+	}
+	out := payload
+	if opts.KeysOnlyForTemplates {
+		out = Payload{}
+	}
+	dirs := directoryMap(out)
+	for _, t := range opts.Templates {
+		if by, ok := owner[t.Path]; ok && !opts.KeysOnlyForTemplates {
+			return nil, fmt.Errorf("mount %q: template %s renders %q, which is also the path of key %q", mount, t.Origin, t.Path, by.key)
+		}
+		if err := placeable(out, dirs, t.Path); err != nil {
+			return nil, fmt.Errorf("mount %q: template %s: %w", mount, t.Origin, err)
+		}
+		data, _, err := t.Render(keys, opts.MaxValueSize)
+		if err != nil {
+			return nil, fmt.Errorf("mount %q: %w", mount, err)
+		}
+		mode := t.Mode
+		if mode == 0 {
+			mode = opts.Mode
+		}
+		out[t.Path] = File{Data: data, Mode: mode.Perm(), UID: opts.UID, GID: opts.GID}
+		for dir := path.Dir(t.Path); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
+			dirs[dir] = true
+		}
+	}
+	return out, nil
+}
+
+// directoryMap returns the directories payload's paths need.
+func directoryMap(payload Payload) map[string]bool {
+	dirs := map[string]bool{}
+	for p := range payload {
+		for dir := path.Dir(p); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
+			dirs[dir] = true
+		}
+	}
+	return dirs
 }
 
 // largest returns the path of payload's largest file.

@@ -274,6 +274,7 @@ func (p *Populator) populate(pm *populated) {
 		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
 			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
 			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize,
+			Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles,
 		})
 		if err != nil {
 			d.Err = err
