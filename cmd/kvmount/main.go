@@ -57,6 +57,8 @@ commands:
   run      run the daemon: keep every mount in sync until SIGTERM; SIGHUP reloads the configuration
   once     project every mount once, then exit (0 when every non-optional mount was projected)
   check    validate the configuration file and exit; errors name file:line
+  render   dry run: read the sources of -mount NAME once and print the files its payload would hold
+           (mode, size, path), or with -path P the content of one file; the mount is not touched
   status   ask the running daemon (its admin endpoint): one line per mount;
            exit 0 when all are current, 1 when any is not, 2 when the daemon cannot be reached
   version  print the version
@@ -73,11 +75,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.SetOutput(stderr)
 	configPath := fs.String("config", config.DefaultPath, "configuration `file`")
 	timeout := time.Duration(0)
-	if cmd == "once" {
+	var mountName, filePath string
+	switch cmd {
+	case "once":
 		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up on mounts not projected after this `duration`")
+	case "render":
+		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up when the sources have not answered after this `duration`")
+		fs.StringVar(&mountName, "mount", "", "the `name` of the mount to render")
+		fs.StringVar(&filePath, "path", "", "print the content of this `path` of the mount instead of the list")
 	}
 	switch cmd {
-	case "run", "once", "check", "status", "version":
+	case "run", "once", "check", "status", "render", "version":
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return exitOK
@@ -109,6 +117,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	case "status":
 		return status(ctx, *configPath, opts.Registry, stdout, stderr)
+	case "render":
+		return render(ctx, opts, mountName, filePath, timeout, stdout, stderr)
 	case "once":
 		err = daemon.Once(ctx, opts, timeout)
 	case "run":

@@ -353,3 +353,24 @@ func TestExamplesAreValid(t *testing.T) {
 		}
 	}
 }
+
+// TestRenderCommand prints a mount's payload without writing it.
+func TestRenderCommand(t *testing.T) {
+	e := newEnv(t)
+	e.put("/app/a", "hello")
+	e.put("/app/dir/b", "x")
+	e.writeConfig("app")
+	code, out, errOut := runCmd("render", "-config", e.config, "-mount", "app")
+	if code != 0 || out != "0644        5 a\n0644        1 dir/b\n" {
+		t.Errorf("render = %d %q %q", code, out, errOut)
+	}
+	if code, out, _ := runCmd("render", "-config", e.config, "-mount", "app", "-path", "a"); code != 0 || out != "hello" {
+		t.Errorf("render -path a = %d %q", code, out)
+	}
+	if code, _, errOut := runCmd("render", "-config", e.config, "-mount", "nope"); code != 1 || !strings.Contains(errOut, `no mount "nope"`) {
+		t.Errorf("render of an unknown mount = %d %q", code, errOut)
+	}
+	if _, err := os.Stat(e.dir("app")); !os.IsNotExist(err) {
+		t.Errorf("render touched the mount directory: %v", err)
+	}
+}

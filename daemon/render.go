@@ -1,0 +1,92 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/reconcile"
+	"github.com/kvmount/kvmount/source"
+)
+
+// Render reads the sources of the mount named mount once and builds its
+// payload — keys and templates, with every limit (max_value_size,
+// max_mount_size, a tmpfs's size_limit) and min_keys — without touching
+// the mount or taking the state directory's lock: a dry run of what the
+// daemon would write. It returns the payload, or an error: the
+// configuration's, an unknown mount, the payload's (a missing key, a
+// template error, a limit), or no snapshot within timeout. check_command is
+// not run (it needs a version directory on disk).
+func Render(ctx context.Context, opts Options, mount string, timeout time.Duration) (projector.Payload, error) {
+	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
+	if err != nil {
+		return nil, err
+	}
+	var spec *config.Mount
+	for _, m := range cfg.Mounts {
+		if m.Name == mount {
+			spec = m
+		}
+	}
+	if spec == nil {
+		names := make([]string, len(cfg.Mounts))
+		for i, m := range cfg.Mounts {
+			names[i] = m.Name
+		}
+		return nil, fmt.Errorf("render: no mount %q in %s (mounts: %s)", mount, opts.ConfigPath, strings.Join(names, ", "))
+	}
+	log := NewLogger(opts.LogOutput, cfg.LogFormat, cfg.LogLevel)
+	trigger := reconcile.NewTrigger()
+	cache := source.NewCache(log, trigger.Fire)
+	defer cache.Close()
+	sources := map[string]source.Source{}
+	for _, pr := range spec.Projections {
+		if _, ok := sources[pr.Source]; ok {
+			continue
+		}
+		src, err := opts.Registry.Open(cfg.Sources[pr.Source], source.Env{Log: log})
+		if err != nil {
+			for _, s := range sources {
+				s.Close()
+			}
+			return nil, err
+		}
+		sources[pr.Source] = src
+	}
+	cache.SetSources(sources)
+	pop := reconcile.NewPopulator(cache, log)
+	defer pop.Close()
+	if err := pop.SetMounts([]*config.Mount{spec}); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	for {
+		d := pop.Populate()[mount]
+		switch {
+		case d.Err != nil:
+			return nil, d.Err
+		case d.Ready():
+			if len(d.Payload) < spec.MinKeys {
+				return nil, fmt.Errorf("mount %q: the payload has %d files, fewer than min_keys (%d)", mount, len(d.Payload), spec.MinKeys)
+			}
+			m := projector.Medium{Tmpfs: spec.Medium == config.MediumTmpfs, SizeLimit: spec.SizeLimit}
+			if err := m.CheckFits(d.Payload); err != nil {
+				return nil, fmt.Errorf("mount %q: %w", mount, err)
+			}
+			return d.Payload, nil
+		}
+		select {
+		case <-trigger:
+		case <-ctx.Done():
+			why := fmt.Sprintf("no snapshot from %s within %v", strings.Join(d.Waiting, ", "), timeout)
+			if len(d.Stale) > 0 {
+				why = fmt.Sprintf("%v (%s)", why, d.Stale[0])
+			}
+			return nil, fmt.Errorf("mount %q: %s", mount, why)
+		}
+	}
+}
