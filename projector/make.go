@@ -55,6 +55,9 @@ type Options struct {
 	// KeysOnlyForTemplates keeps the keys out of the payload: they feed
 	// the templates only (keys_as_files = false).
 	KeysOnlyForTemplates bool
+	// Renders, when set, lets a template none of whose inputs changed
+	// since the last call reuse its output instead of rendering again.
+	Renders *RenderCache
 }
 
 // ErrPathTaken is the reason of a *KeyError for a key whose path cleans to
@@ -206,7 +209,7 @@ func renderTemplates(mount string, payload Payload, owner map[string]origin, opt
 		if err := placeable(out, dirs, t.Path); err != nil {
 			return nil, fmt.Errorf("mount %q: template %s: %w", mount, t.Origin, err)
 		}
-		data, _, err := t.Render(keys, opts.MaxValueSize)
+		data, err := opts.Renders.render(t, keys, opts.MaxValueSize)
 		if err != nil {
 			return nil, fmt.Errorf("mount %q: %w", mount, err)
 		}

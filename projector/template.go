@@ -9,6 +9,7 @@ import (
 	"path"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"text/template"
 	"time"
 
@@ -19,6 +20,9 @@ import (
 // function's error, output over the size limit, a render over the time
 // limit.
 var ErrTemplate = errors.New("template")
+
+// renders counts Render calls, for tests of RenderCache.
+var renders atomic.Int64
 
 // RenderTimeout bounds one render: a runaway range is stopped with an
 // error (its goroutine is abandoned until it ends by itself).
@@ -159,6 +163,7 @@ func (w *limitWriter) Write(p []byte) (int, error) {
 // RenderTimeout is abandoned. Errors wrap ErrTemplate and name the
 // template and, for a missing key, the key.
 func (t *Template) Render(keys map[string][]byte, maxSize int64) ([]byte, map[string]bool, error) {
+	renders.Add(1)
 	v := &keyView{keys: keys, read: map[string]bool{}}
 	tmpl, err := t.tmpl.Clone()
 	if err != nil {
@@ -189,4 +194,73 @@ func (t *Template) Render(keys map[string][]byte, maxSize int64) ([]byte, map[st
 		return nil, nil, fmt.Errorf("%w %s: %w", ErrTemplate, t.Origin, err)
 	}
 	return w.buf.Bytes(), v.read, nil
+}
+
+// RenderCache remembers, per template, what its last render read and
+// produced, so that a template none of whose inputs changed is not
+// rendered again (its output is reused). The zero value is ready; a
+// RenderCache is not safe for concurrent use (one populator owns it).
+type RenderCache struct {
+	entries map[*Template]*cachedRender
+}
+
+type cachedRender struct {
+	read map[string]bool
+	// seen holds, per path read, its value ("\x00" when missing), and per
+	// listing ("dir/"), every key below it with its value.
+	seen map[string]string
+	out  []byte
+}
+
+// signature returns what a template saw of p in keys: a value, or for a
+// listing ("dir/") every key below it with its value.
+func signature(keys map[string][]byte, p string) string {
+	if !strings.HasSuffix(p, "/") && p != "" {
+		if v, ok := keys[p]; ok {
+			return string(v)
+		}
+		return "\x00"
+	}
+	var b strings.Builder
+	for _, k := range slices.Sorted(maps.Keys(keys)) {
+		if strings.HasPrefix(k, p) {
+			b.WriteString(k)
+			b.WriteByte(0)
+			b.Write(keys[k])
+			b.WriteByte(0)
+		}
+	}
+	return b.String()
+}
+
+// render renders t over keys, reusing the cached output when nothing t
+// read last time changed. A nil cache always renders.
+func (c *RenderCache) render(t *Template, keys map[string][]byte, maxSize int64) ([]byte, error) {
+	if c != nil {
+		if e := c.entries[t]; e != nil {
+			same := true
+			for p := range e.read {
+				if signature(keys, p) != e.seen[p] {
+					same = false
+					break
+				}
+			}
+			if same {
+				return e.out, nil
+			}
+		}
+	}
+	out, read, err := t.Render(keys, maxSize)
+	if err != nil || c == nil {
+		return out, err
+	}
+	if c.entries == nil {
+		c.entries = map[*Template]*cachedRender{}
+	}
+	e := &cachedRender{read: read, seen: make(map[string]string, len(read)), out: out}
+	for p := range read {
+		e.seen[p] = signature(keys, p)
+	}
+	c.entries[t] = e
+	return out, nil
 }

@@ -2,6 +2,7 @@ package projector
 
 import (
 	"errors"
+	"fmt"
 	"flag"
 	"os"
 	"path/filepath"
@@ -172,4 +173,60 @@ func FuzzTemplate(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestRenderCache: a template is rendered again only when a key it read,
+// or a listing it made, changed.
+func TestRenderCache(t *testing.T) {
+	tmpl, _ := ParseTemplate("t", "out", `{{ key "a" }}{{ range ls "d" }}{{ .Value }}{{ end }}`, 0)
+	var cache RenderCache
+	render := func(k map[string][]byte) (string, int64) {
+		t.Helper()
+		before := renders.Load()
+		out, err := cache.render(tmpl, k, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(out), renders.Load() - before
+	}
+	steps := []struct {
+		keys    map[string][]byte
+		want    string
+		renders int64
+	}{
+		{keys("a", "1", "d/x", "2", "z", "0"), "12", 1},
+		{keys("a", "1", "d/x", "2", "z", "changed"), "12", 0},               // a key it never read
+		{keys("a", "9", "d/x", "2", "z", "changed"), "92", 1},               // a key it read
+		{keys("a", "9", "d/x", "3", "z", "changed"), "93", 1},               // a value in its listing
+		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 1}, // a key added to its listing
+		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 0},
+	}
+	for i, s := range steps {
+		if got, n := render(s.keys); got != s.want || n != s.renders {
+			t.Errorf("step %d: %q after %d renders; want %q after %d", i, got, n, s.want, s.renders)
+		}
+	}
+}
+
+// BenchmarkRender renders a template that lists every key of a mount of
+// 1,000 and of 10,000 keys (no cache: every iteration renders).
+func BenchmarkRender(b *testing.B) {
+	tmpl, err := ParseTemplate("bench", "all.conf", "{{ range tree \"\" }}{{ .Key }} {{ .Value }}\n{{ end }}", 0)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, n := range []int{1000, 10000} {
+		b.Run(fmt.Sprintf("keys=%d", n), func(b *testing.B) {
+			k := map[string][]byte{}
+			for i := range n {
+				k[fmt.Sprintf("dir%02d/key-%05d", i%50, i)] = []byte(fmt.Sprintf("value %d, padded to look like a small config line", i))
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, _, err := tmpl.Render(k, 0); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
 }

@@ -90,6 +90,8 @@ type populated struct {
 	// frozen is set once an immutable mount has its payload: its feeds
 	// are released and its desired state no longer changes.
 	frozen bool
+	// renders lets templates whose inputs did not change skip rendering.
+	renders projector.RenderCache
 }
 
 // NewPopulator returns a populator with no mounts, reading feeds from cache.
@@ -274,7 +276,7 @@ func (p *Populator) populate(pm *populated) {
 		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
 			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
 			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize,
-			Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles,
+			Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles, Renders: &pm.renders,
 		})
 		if err != nil {
 			d.Err = err
