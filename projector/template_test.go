@@ -2,8 +2,8 @@ package projector
 
 import (
 	"errors"
-	"fmt"
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -195,9 +195,9 @@ func TestRenderCache(t *testing.T) {
 		renders int64
 	}{
 		{keys("a", "1", "d/x", "2", "z", "0"), "12", 1},
-		{keys("a", "1", "d/x", "2", "z", "changed"), "12", 0},               // a key it never read
-		{keys("a", "9", "d/x", "2", "z", "changed"), "92", 1},               // a key it read
-		{keys("a", "9", "d/x", "3", "z", "changed"), "93", 1},               // a value in its listing
+		{keys("a", "1", "d/x", "2", "z", "changed"), "12", 0},              // a key it never read
+		{keys("a", "9", "d/x", "2", "z", "changed"), "92", 1},              // a key it read
+		{keys("a", "9", "d/x", "3", "z", "changed"), "93", 1},              // a value in its listing
 		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 1}, // a key added to its listing
 		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 0},
 	}
