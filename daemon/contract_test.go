@@ -249,6 +249,23 @@ var contract = []contractCase{
 		h.waitContent(dir, map[string]string{"a": "during"})
 		h.waitLog("mount current", "mount=m")
 	}},
+	{"many prefixes of one source", func(t *testing.T, h *harness, _ *faultproxy.Proxy, b backend, p string) {
+		const n = 60
+		var kv []string
+		var mounts strings.Builder
+		for i := range n {
+			kv = append(kv, fmt.Sprintf("%sm%02d/k", p, i), fmt.Sprint(i))
+			mounts.WriteString(h.mount(fmt.Sprintf("m%02d", i), fmt.Sprintf("%sm%02d/", p, i)))
+		}
+		b.put(t, kv...)
+		h.writeConfig(mounts.String())
+		h.start()
+		for i := range n {
+			h.waitContent(h.path("mnt", fmt.Sprintf("m%02d", i)), map[string]string{"k": fmt.Sprint(i)})
+		}
+		b.put(t, fmt.Sprintf("%sm%02d/k", p, n-1), "last")
+		h.waitContent(h.path("mnt", fmt.Sprintf("m%02d", n-1)), map[string]string{"k": "last"})
+	}},
 	{"missing prefix", func(t *testing.T, h *harness, _ *faultproxy.Proxy, b backend, p string) {
 		b.put(t, p+"present", "1")
 		h.writeConfig(h.mount("required", p+"nothing-here/") + h.mount("opt", p+"nothing-here/", "optional = true"))

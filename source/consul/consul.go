@@ -1,6 +1,7 @@
-// Package consul is the Consul KV source kind. In watch mode it follows a
-// prefix with one blocking query (GET /v1/kv/PREFIX?recurse&index=N),
-// however many keys the prefix holds, and applies Consul's rules for
+// Package consul is the Consul KV source kind. In watch mode it follows
+// every prefix of a source with one blocking query (GET
+// /v1/kv/PARENT?recurse&index=N on the prefixes' longest common prefix),
+// however many prefixes and keys there are, and applies Consul's rules for
 // blocking queries (api-docs/features/blocking): the index is reset when it
 // goes backwards, never sent below 1, a return without change is no change,
 // and such returns are rate-limited with a token bucket so a misbehaving
@@ -9,20 +10,16 @@
 package consul
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"maps"
 	"net/http"
 	"net/url"
-	"strconv"
-	"strings"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/consul/api"
-	"golang.org/x/time/rate"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/source"
@@ -125,6 +122,13 @@ type Source struct {
 	log       *slog.Logger
 	client    *api.Client
 	transport *http.Transport
+
+	mu        sync.Mutex
+	followers map[*follower]struct{}
+	last      *listing           // the latest listing, nil before the first
+	cancel    context.CancelFunc // stops the watcher
+	done      chan struct{}      // closed when the watcher has stopped
+	requery   context.CancelFunc // cuts the running query short
 }
 
 var _ source.Source = (*Source)(nil)
@@ -160,7 +164,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	return &Source{name: name, cfg: cfg, log: log, client: client, transport: transport}, nil
+	return &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, followers: map[*follower]struct{}{}}, nil
 }
 
 // configOnly makes every request to Consul carry only what kvmount's
@@ -199,60 +203,6 @@ func (c configOnly) RoundTrip(req *http.Request) (*http.Response, error) {
 func (s *Source) Close() error {
 	s.transport.CloseIdleConnections()
 	return nil
-}
-
-// Follow reads prefix and follows it until ctx is done; see source.Source
-// and the package documentation. A failed query resets the index, so that
-// the next read after an agent restart (which may reset every index) is a
-// fresh, non-blocking one.
-func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
-	log := s.log.With("prefix", prefix)
-	bo := source.NewBackoff()
-	idle := rate.NewLimiter(rate.Every(idleEvery), idleBurst)
-	var last map[string][]byte
-	var index uint64
-	for {
-		if s.cfg.ChangeDetection == Poll {
-			index = 0
-		}
-		pairs, meta, err := s.list(ctx, prefix, index)
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		if err != nil {
-			log.Warn("source unavailable, keeping last content", "err", err)
-			pub.Status(err)
-			index = 0
-			if !source.Sleep(ctx, bo.NextBackOff()) {
-				return ctx.Err()
-			}
-			continue
-		}
-		bo.Reset()
-		entries := make(map[string][]byte, len(pairs))
-		for _, p := range pairs {
-			entries[strings.TrimPrefix(p.Key, prefix)] = p.Value
-		}
-		changed := last == nil || !maps.EqualFunc(entries, last, bytes.Equal)
-		if changed {
-			last = entries
-			pub.Publish(source.Snapshot{Revision: strconv.FormatUint(meta.LastIndex, 10), Missing: pairs == nil, Entries: entries})
-		} else {
-			pub.Status(nil)
-		}
-		if s.cfg.ChangeDetection == Poll {
-			if !source.Sleep(ctx, source.Jitter(s.cfg.PollInterval)) {
-				return ctx.Err()
-			}
-			continue
-		}
-		index = nextIndex(index, meta.LastIndex)
-		if !changed {
-			if err := idle.Wait(ctx); err != nil {
-				return ctx.Err()
-			}
-		}
-	}
 }
 
 // nextIndex returns the index for the next blocking query after one that

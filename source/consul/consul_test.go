@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -262,3 +263,94 @@ func TestEnvironmentIsIgnored(t *testing.T) {
 }
 
 func writeFile(name, data string) error { return os.WriteFile(name, []byte(data), 0o600) }
+
+// agentConnections counts this process's established TCP connections to
+// port: /proc/self/net/tcp lists the namespace's sockets, /proc/self/fd
+// says which are ours.
+func agentConnections(t *testing.T, port string) int {
+	t.Helper()
+	ours := map[string]bool{}
+	fds, _ := os.ReadDir("/proc/self/fd")
+	for _, fd := range fds {
+		if target, err := os.Readlink("/proc/self/fd/" + fd.Name()); err == nil && strings.HasPrefix(target, "socket:[") {
+			ours[strings.TrimSuffix(strings.TrimPrefix(target, "socket:["), "]")] = true
+		}
+	}
+	p, _ := strconv.Atoi(port)
+	hexPort := fmt.Sprintf(":%04X", p)
+	n := 0
+	for _, table := range []string{"/proc/self/net/tcp", "/proc/self/net/tcp6"} {
+		data, err := os.ReadFile(table)
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			f := strings.Fields(line)
+			// sl local remote st ... inode
+			if len(f) > 9 && strings.HasSuffix(f[2], hexPort) && f[3] == "01" && ours[f[9]] {
+				n++
+			}
+		}
+	}
+	return n
+}
+
+// TestManyPrefixesOneConnection follows 300 prefixes of one default agent
+// (which refuses more than 200 connections per client): every prefix gets
+// its snapshot, a write to the last one arrives, and the source holds one
+// connection, not one per prefix.
+func TestManyPrefixesOneConnection(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	const n = 300
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("many/p%03d/key", i), fmt.Sprint(i))
+	}
+	consultest.Txn(t, client, kv...)
+	src, err := New("main", watchConfig(agent.Addr()), sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	recs := make([]*sourcetest.Recorder, n)
+	for i := range n {
+		recs[i] = sourcetest.Follow(t, src, fmt.Sprintf("many/p%03d/", i))
+	}
+	for i, rec := range recs {
+		rec.WaitFor(t, fmt.Sprintf("prefix %d", i), sourcetest.Holds(map[string]string{"key": fmt.Sprint(i)}))
+	}
+	consultest.Txn(t, client, fmt.Sprintf("many/p%03d/key", n-1), "last", fmt.Sprintf("many/p%03d/new", n-1), "x")
+	recs[n-1].WaitFor(t, "the write to the last prefix", sourcetest.Holds(map[string]string{"key": "last", "new": "x"}))
+	// The others saw nothing new: one snapshot each.
+	if snaps, _ := recs[0].State(); len(snaps) != 1 {
+		t.Errorf("prefix 0 got %d snapshots; want 1 (the write was elsewhere)", len(snaps))
+	}
+	_, port, _ := strings.Cut(agent.Addr(), ":")
+	if c := agentConnections(t, port); c > 8 {
+		t.Errorf("%d connections to the agent for %d prefixes; want at most 8", c, n)
+	}
+	t.Logf("%d prefixes, %d connections to the agent (the source's and the test's client)", n, agentConnections(t, port))
+}
+
+// TestPrefixesWithNothingInCommon: "a/" and "b/" share no prefix; the
+// query reads all of KV and splits it, and keys elsewhere are not theirs.
+func TestPrefixesWithNothingInCommon(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	consultest.Txn(t, client, "a/x", "1", "b/y", "2", "c/z", "3")
+	src, err := New("main", watchConfig(agent.Addr()), sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	a, b := sourcetest.Follow(t, src, "a/"), sourcetest.Follow(t, src, "b/")
+	a.WaitFor(t, "a", sourcetest.Holds(map[string]string{"x": "1"}))
+	b.WaitFor(t, "b", sourcetest.Holds(map[string]string{"y": "2"}))
+	consultest.Txn(t, client, "b/y", "two", "a/x", consultest.Delete)
+	b.WaitFor(t, "b updated", sourcetest.Holds(map[string]string{"y": "two"}))
+	a.WaitFor(t, "a emptied", sourcetest.Missing)
+	// A prefix added later widens nothing here but is served at once.
+	c := sourcetest.Follow(t, src, "c/")
+	c.WaitFor(t, "c", sourcetest.Holds(map[string]string{"z": "3"}))
+}
