@@ -252,4 +252,3 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		published, lastSig, lastErr = true, sig, nil
 	}
 }
-
