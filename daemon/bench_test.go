@@ -11,6 +11,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -66,6 +68,8 @@ type benchStore struct {
 	source string
 	// prefix is where the benchmark's keys live.
 	prefix string
+	// port is the store's client port, for counting connections to it.
+	port int
 	// put writes one key.
 	put func(key, value string) error
 	// seed writes many keys.
@@ -101,6 +105,7 @@ func consulStore(b *testing.B) benchStore {
 	client := agent.Client()
 	return benchStore{
 		source: fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),
+		port:   agentPort(agent.Addr()),
 		prefix: "bench/",
 		put: func(key, value string) error {
 			_, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte(value)}, nil)
@@ -108,6 +113,13 @@ func consulStore(b *testing.B) benchStore {
 		},
 		seed: func(kv []string) { consultest.Txn(b, client, kv...) },
 	}
+}
+
+// agentPort returns the port of a "host:port" address.
+func agentPort(addr string) int {
+	_, port, _ := strings.Cut(addr, ":")
+	n, _ := strconv.Atoi(port)
+	return n
 }
 
 // benchDaemon runs the kvmount binary against store, projecting its prefix
@@ -371,4 +383,108 @@ func BenchmarkObservability(b *testing.B) {
 			report(b, "switch-to-notify", notifyLat)
 		})
 	}
+}
+
+// BenchmarkConsulManyPrefixes: one kvmount follows 1,000 prefixes of one
+// Consul agent (1,000 mounts, one key each), another follows one prefix;
+// updates alternate between the single prefix and the last of the 1,000,
+// so both latencies come from the same moments. It also reports the many-
+// prefix daemon's connections to the agent.
+func BenchmarkConsulManyPrefixes(b *testing.B) {
+	const n = 1000
+	store := consulStore(b)
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("many/p%04d/key", i), fmt.Sprint(i))
+	}
+	for i := 0; i < len(kv); i += 128 {
+		store.seed(kv[i:min(i+128, len(kv))])
+	}
+	single := store
+	single.prefix = "solo/"
+	soloDir := benchDaemonWith(b, single, 1, "tmpfs", benchExtras{})
+
+	base := b.TempDir()
+	var mounts strings.Builder
+	for i := range n {
+		fmt.Fprintf(&mounts, "[[mount]]\nname = \"p%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"many/p%04d/\"\n", i, filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i)), i)
+	}
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = \"\"\n[sources.main]\n%s%s", filepath.Join(base, "state"), store.source, mounts.String())
+	configPath := filepath.Join(base, "kvmount.toml")
+	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	cmd := exec.Command(buildKvmount(b), "run", "-config", configPath)
+	cmd.Stderr = io.Discard
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	})
+	lastDir := filepath.Join(base, "mnt", fmt.Sprintf("p%04d", n-1))
+	for deadline := time.Now().Add(2 * waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		projected := 0
+		for i := range n {
+			if _, err := os.Lstat(filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i), "key")); err == nil {
+				projected++
+			}
+		}
+		if projected == n {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("only %d of %d mounts projected", projected, n)
+		}
+	}
+	coldStart := time.Since(start)
+	many := store
+	many.prefix = fmt.Sprintf("many/p%04d/", n-1)
+	ws, wm := watchSwitches(b, soloDir), watchSwitches(b, lastDir)
+	var soloLat, manyLat []time.Duration
+	b.ResetTimer()
+	for i := range b.N {
+		for _, side := range []struct {
+			store benchStore
+			w     *switchWatcher
+			lat   *[]time.Duration
+		}{{single, ws, &soloLat}, {many, wm, &manyLat}} {
+			t0 := time.Now()
+			if err := side.store.put(side.store.prefix+"key", fmt.Sprintf("update %d", i)); err != nil {
+				b.Fatal(err)
+			}
+			side.w.wait(b)
+			*side.lat = append(*side.lat, time.Since(t0))
+		}
+	}
+	b.StopTimer()
+	report(b, "one-prefix-e2e", soloLat)
+	report(b, "1000-prefixes-e2e", manyLat)
+	b.ReportMetric(coldStart.Seconds(), "1000-mounts-projected-s")
+	b.ReportMetric(float64(processConnections(b, cmd.Process.Pid, store.port)), "agent-connections")
+}
+
+// processConnections counts pid's established TCP connections to port.
+func processConnections(b *testing.B, pid int, port int) int {
+	ours := map[string]bool{}
+	fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	for _, fd := range fds {
+		if target, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name())); err == nil && strings.HasPrefix(target, "socket:[") {
+			ours[strings.TrimSuffix(strings.TrimPrefix(target, "socket:["), "]")] = true
+		}
+	}
+	hexPort := fmt.Sprintf(":%04X", port)
+	n := 0
+	for _, table := range []string{"tcp", "tcp6"} {
+		data, _ := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table))
+		for _, line := range strings.Split(string(data), "\n") {
+			f := strings.Fields(line)
+			if len(f) > 9 && strings.HasSuffix(f[2], hexPort) && f[3] == "01" && ours[f[9]] {
+				n++
+			}
+		}
+	}
+	return n
 }

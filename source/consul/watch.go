@@ -27,10 +27,16 @@ import (
 // same highest ModifyIndex as before publishes nothing: a change costs a
 // read of the common prefix and the work of the prefixes it touched.
 
-// follower is one Follow: a prefix and a wake-up channel.
+// follower is one Follow: a prefix, a wake-up channel, and what the
+// watcher last woke it for (under Source.mu).
 type follower struct {
 	prefix string
 	wake   chan struct{}
+	// woken reports that the follower was woken for a listing at least
+	// once; sig and errText are what that listing showed of its prefix.
+	woken   bool
+	sig     signature
+	errText string
 }
 
 // listing is the outcome of the shared query: the pairs under parent,
@@ -58,7 +64,12 @@ func (s *Source) join(f *follower) {
 		return
 	}
 	if s.last != nil && strings.HasPrefix(f.prefix, s.last.parent) {
-		f.wake <- struct{}{} // the current listing covers it
+		// The current listing covers it.
+		f.woken, f.sig = true, signatureOf(rangeOf(s.last.pairs, f.prefix))
+		if s.last.err != nil {
+			f.errText = s.last.err.Error()
+		}
+		f.wake <- struct{}{}
 		return
 	}
 	if s.requery != nil {
@@ -101,7 +112,9 @@ func (s *Source) parent() string {
 	return common
 }
 
-// set records a listing and wakes every follower.
+// set records a listing and wakes the followers it concerns: those whose
+// range changed (its key count or highest ModifyIndex), whose error state
+// changed, or that have not been woken yet. The others have nothing new.
 func (s *Source) set(l *listing) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -112,7 +125,19 @@ func (s *Source) set(l *listing) {
 		l = &prev
 	}
 	s.last = l
+	errText := ""
+	if l.err != nil {
+		errText = l.err.Error()
+	}
 	for f := range s.followers {
+		if !strings.HasPrefix(f.prefix, l.parent) {
+			continue
+		}
+		sig := signatureOf(rangeOf(l.pairs, f.prefix))
+		if f.woken && sig == f.sig && errText == f.errText {
+			continue
+		}
+		f.woken, f.sig, f.errText = true, sig, errText
 		select {
 		case f.wake <- struct{}{}:
 		default:
