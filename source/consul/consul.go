@@ -123,12 +123,13 @@ type Source struct {
 	client    *api.Client
 	transport *http.Transport
 
-	mu        sync.Mutex
-	followers map[*follower]struct{}
-	last      *listing           // the latest listing, nil before the first
-	cancel    context.CancelFunc // stops the watcher
-	done      chan struct{}      // closed when the watcher has stopped
-	requery   context.CancelFunc // cuts the running query short
+	// fanout runs the one watcher every Follow shares.
+	fanout *source.Fanout
+
+	mu      sync.Mutex
+	last    *listing                  // the latest listing, nil before the first
+	seen    map[*source.Follower]seen // what each follower was last woken for
+	requery context.CancelFunc        // cuts the running query short
 }
 
 var _ source.Source = (*Source)(nil)
@@ -164,7 +165,9 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	return &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, followers: map[*follower]struct{}{}}, nil
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, seen: map[*source.Follower]seen{}}
+	s.fanout = source.NewFanout(s.watch)
+	return s, nil
 }
 
 // configOnly makes every request to Consul carry only what kvmount's

@@ -27,13 +27,9 @@ import (
 // same highest ModifyIndex as before publishes nothing: a change costs a
 // read of the common prefix and the work of the prefixes it touched.
 
-// follower is one Follow: a prefix, a wake-up channel, and what the
-// watcher last woke it for (under Source.mu).
-type follower struct {
-	prefix string
-	wake   chan struct{}
-	// woken reports that the follower was woken for a listing at least
-	// once; sig and errText are what that listing showed of its prefix.
+// seen is what the watcher last woke a follower for: whether it was
+// woken for a listing, and what that listing showed of its prefix.
+type seen struct {
 	woken   bool
 	sig     signature
 	errText string
@@ -48,63 +44,41 @@ type listing struct {
 	err    error
 }
 
-// join adds f, starting the shared watcher with the first follower, and
-// restarts the query when f's prefix widens the common prefix.
-func (s *Source) join(f *follower) {
+// join registers a follower of prefix with the shared watcher (the first
+// starts it) and restarts the query when prefix widens the common prefix.
+func (s *Source) join(prefix string) *source.Follower {
+	f := s.fanout.Join(prefix) // woken once: it reads what is known
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.followers[f] = struct{}{}
-	if s.cancel == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		s.cancel, s.done = cancel, make(chan struct{})
-		go func(done chan struct{}) {
-			defer close(done)
-			s.watch(ctx)
-		}(s.done)
-		return
-	}
-	if s.last != nil && strings.HasPrefix(f.prefix, s.last.parent) {
-		// The current listing covers it.
-		f.woken, f.sig = true, signatureOf(rangeOf(s.last.pairs, f.prefix))
-		if s.last.err != nil {
-			f.errText = s.last.err.Error()
-		}
-		f.wake <- struct{}{}
-		return
-	}
-	if s.requery != nil {
+	if (s.last == nil || !strings.HasPrefix(prefix, s.last.parent)) && s.requery != nil {
 		s.requery() // widen the query at once
 	}
+	return f
 }
 
-// leave removes f, stopping the watcher after the last follower.
-func (s *Source) leave(f *follower) {
+// leave unregisters f; the last one stops the watcher.
+func (s *Source) leave(f *source.Follower) {
 	s.mu.Lock()
-	delete(s.followers, f)
-	if len(s.followers) > 0 {
-		s.mu.Unlock()
-		return
-	}
-	cancel, done := s.cancel, s.done
-	s.cancel, s.done, s.last = nil, nil, nil
+	delete(s.seen, f)
 	s.mu.Unlock()
-	cancel()
-	<-done
+	s.fanout.Leave(f)
+	s.mu.Lock()
+	if len(s.fanout.Prefixes()) == 0 {
+		s.last = nil
+	}
+	s.mu.Unlock()
 }
 
 // parent returns the longest prefix common to every follower's prefix.
 func (s *Source) parent() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	first := true
-	var common string
-	for f := range s.followers {
-		if first {
-			common, first = f.prefix, false
-			continue
-		}
+	prefixes := s.fanout.Prefixes()
+	if len(prefixes) == 0 {
+		return ""
+	}
+	common := prefixes[0]
+	for _, p := range prefixes[1:] {
 		n := 0
-		for n < len(common) && n < len(f.prefix) && common[n] == f.prefix[n] {
+		for n < len(common) && n < len(p) && common[n] == p[n] {
 			n++
 		}
 		common = common[:n]
@@ -129,20 +103,17 @@ func (s *Source) set(l *listing) {
 	if l.err != nil {
 		errText = l.err.Error()
 	}
-	for f := range s.followers {
-		if !strings.HasPrefix(f.prefix, l.parent) {
-			continue
+	s.fanout.Wake(func(f *source.Follower) bool {
+		if !strings.HasPrefix(f.Prefix, l.parent) {
+			return false
 		}
-		sig := signatureOf(rangeOf(l.pairs, f.prefix))
-		if f.woken && sig == f.sig && errText == f.errText {
-			continue
+		sig := signatureOf(rangeOf(l.pairs, f.Prefix))
+		if last := s.seen[f]; last.woken && last.sig == sig && last.errText == errText {
+			return false
 		}
-		f.woken, f.sig, f.errText = true, sig, errText
-		select {
-		case f.wake <- struct{}{}:
-		default:
-		}
-	}
+		s.seen[f] = seen{woken: true, sig: sig, errText: errText}
+		return true
+	})
 }
 
 // watch runs the shared query until ctx is done, by Consul's rules for
@@ -237,8 +208,7 @@ func signatureOf(pairs api.KVPairs) signature {
 // the prefix's part of one response, consistent at its index; a prefix
 // without keys is missing.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
-	f := &follower{prefix: prefix, wake: make(chan struct{}, 1)}
-	s.join(f)
+	f := s.join(prefix)
 	defer s.leave(f)
 	var lastSig signature
 	var lastErr error
@@ -247,7 +217,7 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-f.wake:
+		case <-f.Wake:
 		}
 		s.mu.Lock()
 		l := s.last

@@ -129,13 +129,12 @@ type Source struct {
 	cfg    *Config
 	log    *slog.Logger
 	client *http.Client
+	// fanout runs the one poller every Follow shares.
+	fanout *source.Fanout
 
-	mu        sync.Mutex
-	followers map[*follower]struct{}
-	cancel    context.CancelFunc
-	done      chan struct{}
-	doc       *document // the last body read, nil before the first
-	err       error     // the last failure, nil after a success
+	mu  sync.Mutex
+	doc *document // the last body read, nil before the first
+	err error     // the last failure, nil after a success
 }
 
 var _ source.Source = (*Source)(nil)
@@ -145,12 +144,6 @@ type document struct {
 	revision string
 	missing  bool // 404
 	entries  map[string][]byte
-}
-
-// follower is one Follow: a prefix and a wake-up channel.
-type follower struct {
-	prefix string
-	wake   chan struct{}
 }
 
 // New returns a Source for cfg. It sends nothing until the first Follow.
@@ -164,12 +157,12 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		transport.TLSClientConfig = tc
 	}
 	s := &Source{
-		name:      name,
-		cfg:       cfg,
-		log:       log,
-		followers: map[*follower]struct{}{},
+		name: name,
+		cfg:  cfg,
+		log:  log,
 	}
 	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: s.checkRedirect}
+	s.fanout = source.NewFanout(s.poll)
 	return s, nil
 }
 
@@ -251,9 +244,8 @@ func (s *Source) Close() error {
 // poller, the last one to end stops it. A prefix under which the body holds
 // no key, or a 404, is a missing prefix.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
-	f := &follower{prefix: prefix, wake: make(chan struct{}, 1)}
-	s.join(f)
-	defer s.leave(f)
+	f := s.fanout.Join(prefix)
+	defer s.fanout.Leave(f)
 	var last map[string][]byte
 	var lastDoc *document
 	var lastErr error
@@ -277,7 +269,7 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		select {
 		case <-ctx.Done():
 			return ctx.Err()
-		case <-f.wake:
+		case <-f.Wake:
 		}
 	}
 }
@@ -293,37 +285,6 @@ func under(entries map[string][]byte, prefix string) map[string][]byte {
 	return out
 }
 
-// join adds f, starting the poller for the first follower.
-func (s *Source) join(f *follower) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.followers[f] = struct{}{}
-	f.wake <- struct{}{} // deliver what is known at once
-	if s.cancel == nil {
-		ctx, cancel := context.WithCancel(context.Background())
-		s.cancel, s.done = cancel, make(chan struct{})
-		go func(done chan struct{}) {
-			defer close(done)
-			s.poll(ctx)
-		}(s.done)
-	}
-}
-
-// leave removes f, stopping the poller after the last follower.
-func (s *Source) leave(f *follower) {
-	s.mu.Lock()
-	delete(s.followers, f)
-	if len(s.followers) > 0 {
-		s.mu.Unlock()
-		return
-	}
-	cancel, done := s.cancel, s.done
-	s.cancel, s.done = nil, nil
-	s.mu.Unlock()
-	cancel()
-	<-done
-}
-
 // set records a poll's outcome and wakes every follower.
 func (s *Source) set(doc *document, err error) {
 	s.mu.Lock()
@@ -332,12 +293,7 @@ func (s *Source) set(doc *document, err error) {
 		s.doc = doc
 	}
 	s.err = err
-	for f := range s.followers {
-		select {
-		case f.wake <- struct{}{}:
-		default:
-		}
-	}
+	s.fanout.Wake(nil)
 }
 
 // poll fetches the URL until ctx is done: every poll interval after a
