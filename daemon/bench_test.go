@@ -488,3 +488,104 @@ func processConnections(b *testing.B, pid int, port int) int {
 	}
 	return n
 }
+
+// BenchmarkScale100kKeys starts kvmount with 1,000 mounts of 100 keys each
+// (100,000 keys, 7.5 MB of values) on one etcd, on disk, and reports the
+// time to project everything from cold, the resident memory at rest (RSS
+// and per key), and the time a restart takes to adopt every mount and
+// apply a new write. b.N is ignored beyond the first iteration: it is one
+// measurement (run with -benchtime 1x).
+func BenchmarkScale100kKeys(b *testing.B) {
+	const mounts, keys = 1000, 100
+	store := etcdStore(b)
+	value := strings.Repeat("v", 75)
+	for m := range mounts {
+		var kv []string
+		for k := range keys {
+			kv = append(kv, fmt.Sprintf("/scale/m%04d/key-%03d", m, k), value)
+		}
+		store.seed(kv)
+	}
+	base := b.TempDir()
+	var cfg strings.Builder
+	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = \"\"\n[sources.main]\n%s", filepath.Join(base, "state"), store.source)
+	for m := range mounts {
+		fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"/scale/m%04d/\"\n", m, filepath.Join(base, "mnt", fmt.Sprintf("m%04d", m)), m)
+	}
+	configPath := filepath.Join(base, "kvmount.toml")
+	if err := os.WriteFile(configPath, []byte(cfg.String()), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	last := filepath.Join(base, "mnt", fmt.Sprintf("m%04d", mounts-1))
+	start := func() *exec.Cmd {
+		cmd := exec.Command(buildKvmount(b), "run", "-config", configPath)
+		cmd.Stderr = io.Discard
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		return cmd
+	}
+	stop := func(cmd *exec.Cmd) {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}
+	allProjected := func() {
+		deadline := time.Now().Add(10 * time.Minute)
+		for m := mounts - 1; m >= 0; {
+			if _, err := os.Stat(filepath.Join(base, "mnt", fmt.Sprintf("m%04d", m), "key-099")); err == nil {
+				m--
+				continue
+			}
+			if time.Now().After(deadline) {
+				b.Fatalf("mount m%04d never projected", m)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	b.ResetTimer()
+	t0 := time.Now()
+	cmd := start()
+	allProjected()
+	cold := time.Since(t0)
+	// At rest: past the replaced versions' grace period (5 s) and a
+	// garbage collection or two.
+	time.Sleep(8 * time.Second)
+	rss := rssBytes(b, cmd.Process.Pid)
+	stop(cmd)
+	t0 = time.Now()
+	cmd = start()
+	if err := store.put(fmt.Sprintf("/scale/m%04d/key-099", mounts-1), "after restart"); err != nil {
+		b.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(5 * time.Millisecond) {
+		if data, _ := os.ReadFile(filepath.Join(last, "key-099")); string(data) == "after restart" {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the write after the restart never arrived")
+		}
+	}
+	restart := time.Since(t0)
+	stop(cmd)
+	b.StopTimer()
+	b.ReportMetric(cold.Seconds(), "cold-start-s")
+	b.ReportMetric(restart.Seconds(), "restart-write-s")
+	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
+	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
+}
+
+// rssBytes returns the resident set size of pid, from /proc/pid/status.
+func rssBytes(b *testing.B, pid int) int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, _ := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(rest), " kB"), 10, 64)
+			return kb << 10
+		}
+	}
+	b.Fatal("no VmRSS")
+	return 0
+}
