@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"fmt"
+	"runtime/debug"
 	"sort"
 	"strings"
 	"sync"
@@ -52,6 +53,12 @@ func (s *service) Observe(ev reconcile.Event) {
 	}
 	if first {
 		s.send("ready")
+		// Projecting every mount from cold makes most of the garbage the
+		// daemon will ever make; give it back to the system now rather
+		// than when the runtime's scavenger gets to it (measured with
+		// 100,000 keys: RSS at rest 143 MiB without, see BENCHMARKS.md).
+		// On its own goroutine: Observe must not block the loop.
+		go debug.FreeOSMemory()
 	}
 }
 
