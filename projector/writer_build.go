@@ -1,0 +1,285 @@
+package projector
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io/fs"
+	"maps"
+	"math/big"
+	"os"
+	"path"
+	"slices"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Building a version directory through directory handles, and the visible
+// symlinks of the layout.
+
+// buildVersion writes payload into a new version directory and returns its
+// name. Unchanged files are hard-linked from the current version, whose
+// directories it opens into oldDirs.
+//
+// The directories of both versions are opened once, each relative to its
+// parent without following symlinks, and every file is then created or
+// linked relative to its directory's handle with a single-element name
+// (CleanPath guarantees no "..", no "/" and no empty element). Each file
+// thus costs one system call and no operation can leave the mount: os.Root
+// would resolve the whole path again for every file, which on a 1,000-file
+// mount costs more than the links themselves.
+//
+// It also returns the new directory's identity, which the switch checks.
+func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name string, built os.FileInfo, err error) {
+	name, err = w.mkVersionDir()
+	if err != nil {
+		return "", nil, err
+	}
+	newDirs := dirHandles{}
+	defer func() {
+		newDirs.close()
+		if err != nil {
+			_ = w.root.RemoveAll(name)
+		}
+	}()
+	if newDirs["."], err = w.openVersion(name); err != nil {
+		return "", nil, err
+	}
+	dirNames := slices.Sorted(maps.Keys(directories(payload))) // parents before children
+	for _, dir := range dirNames {
+		if newDirs[dir], err = w.mkdirAt(newDirs[path.Dir(dir)], path.Base(dir)); err != nil {
+			return "", nil, err
+		}
+	}
+	if w.current != nil {
+		// A missing or replaced old version only means nothing is linked.
+		oldDirs["."], _ = w.openVersion(w.current.name)
+	}
+	for _, p := range payload.Paths() {
+		f := payload[p]
+		dir, base := path.Dir(p), path.Base(p)
+		if w.current != nil {
+			if old, ok := w.current.payload[p]; ok && old.Equal(f) {
+				if from := oldDirs.open(dir); from != nil && unix.Linkat(int(from.Fd()), base, int(newDirs[dir].Fd()), base, 0) == nil {
+					continue
+				}
+				// The old file is gone (drift): write it instead.
+			}
+		}
+		if err := w.writeFileAt(newDirs[dir], base, f); err != nil {
+			return "", nil, err
+		}
+	}
+	if w.opts.Sync {
+		// Children first, so that each directory's entries are durable
+		// before the entry that names the directory.
+		for _, dir := range slices.Backward(dirNames) {
+			if err := newDirs[dir].Sync(); err != nil {
+				return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", path.Join(name, dir), err)
+			}
+		}
+		if err := newDirs["."].Sync(); err != nil {
+			return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", name, err)
+		}
+		if err := w.syncDir("."); err != nil {
+			return "", nil, err
+		}
+	}
+	if built, err = newDirs["."].Stat(); err != nil {
+		return "", nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	return name, built, nil
+}
+
+// dirHandles are open directories of one version, by path relative to the
+// version ("." for the version itself).
+type dirHandles map[string]*os.File
+
+// open returns the handle of dir, opening it relative to its parent (without
+// following symlinks) if needed; nil if it cannot be opened.
+func (h dirHandles) open(dir string) *os.File {
+	if d, ok := h[dir]; ok || dir == "." {
+		return d
+	}
+	parent := h.open(path.Dir(dir))
+	if parent == nil {
+		return nil
+	}
+	fd, err := unix.Openat(int(parent.Fd()), path.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	var d *os.File
+	if err == nil {
+		d = os.NewFile(uintptr(fd), dir)
+	}
+	h[dir] = d
+	return d
+}
+
+func (h dirHandles) close() {
+	for _, d := range h {
+		if d != nil {
+			d.Close()
+		}
+	}
+}
+
+// openVersion opens the version directory name, not following a symlink.
+func (w *AtomicWriter) openVersion(name string) (*os.File, error) {
+	d, err := w.root.OpenFile(name, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	return d, nil
+}
+
+// mkdirAt creates the directory base in parent with the writer's mode and
+// owner, and returns it open.
+func (w *AtomicWriter) mkdirAt(parent *os.File, base string) (*os.File, error) {
+	if err := unix.Mkdirat(int(parent.Fd()), base, 0o700); err != nil {
+		return nil, fmt.Errorf("atomic writer: mkdir %s: %w", base, err)
+	}
+	fd, err := unix.Openat(int(parent.Fd()), base, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: open %s: %w", base, err)
+	}
+	d := os.NewFile(uintptr(fd), base)
+	if err := w.chmodChownDir(d); err != nil {
+		d.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// chmodChownDir gives the open directory d the writer's mode and owner.
+func (w *AtomicWriter) chmodChownDir(d *os.File) error {
+	if err := d.Chmod(w.opts.DirMode.Perm()); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
+		if err := d.Chown(w.opts.DirUID, w.opts.DirGID); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// mkVersionDir creates a new, empty version directory named
+// ..<UTC time>.<random digits> and returns its name.
+func (w *AtomicWriter) mkVersionDir() (string, error) {
+	stamp := time.Now().UTC().Format(versionTimeLayout)
+	for range 100 {
+		n, err := rand.Int(rand.Reader, big.NewInt(1_000_000_000))
+		if err != nil {
+			return "", fmt.Errorf("atomic writer: %w", err)
+		}
+		name := fmt.Sprintf("..%s.%09d", stamp, n)
+		err = w.mkdir(name)
+		if errors.Is(err, fs.ErrExist) {
+			continue
+		}
+		return name, err
+	}
+	return "", fmt.Errorf("atomic writer: %s: no free version directory name", w.dir)
+}
+
+// mkdir creates one directory with the writer's mode and owner.
+func (w *AtomicWriter) mkdir(name string) error {
+	if err := w.root.Mkdir(name, 0o700); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	d, err := w.root.Open(name)
+	if err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	defer d.Close()
+	return w.chmodChownDir(d)
+}
+
+// writeFileAt creates base in dir exclusively and without following a
+// symlink, so that it never writes through one someone planted, and sets
+// its mode and owner on the open file.
+func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File) (err error) {
+	fd, err := unix.Openat(int(dir.Fd()), base, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("atomic writer: create %s: %w", base, err)
+	}
+	fh := os.NewFile(uintptr(fd), base)
+	defer func() {
+		if cerr := fh.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("atomic writer: %w", cerr)
+		}
+	}()
+	if _, err := fh.Write(f.Data); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if err := fh.Chmod(f.Mode.Perm()); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if f.UID != w.uid || f.GID != w.gid {
+		if err := fh.Chown(f.UID, f.GID); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	if w.opts.Sync {
+		if err := fh.Sync(); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// addVisible creates a symlink name -> ..data/name for every first path
+// element of payload that lacks one. When the visible entries are known it
+// touches only new names; otherwise it checks every entry first, which also
+// re-creates symlinks an interrupted kubelet-style write could lose
+// (kubernetes#121472). An entry in the way that is not the writer's symlink
+// is foreign content: it is left alone and reported.
+func (w *AtomicWriter) addVisible(payload Payload) error {
+	known := w.visible
+	w.visible = nil // unknown until this update completes
+	if known == nil {
+		var err error
+		if known, err = w.scanVisible(); err != nil {
+			return err
+		}
+	}
+	want := topLevel(payload)
+	for _, name := range slices.Sorted(maps.Keys(want)) {
+		if known[name] {
+			continue
+		}
+		err := w.root.Symlink(path.Join(DataDirName, name), name)
+		if errors.Is(err, fs.ErrExist) && !w.isVisibleLink(name) {
+			return fmt.Errorf("atomic writer: %s: %w: %s is in the way of a visible symlink", w.dir, ErrForeignContent, name)
+		}
+		if err != nil && !errors.Is(err, fs.ErrExist) {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+		if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
+			if err := w.root.Lchown(name, w.opts.DirUID, w.opts.DirGID); err != nil {
+				return fmt.Errorf("atomic writer: %w", err)
+			}
+		}
+		known[name] = true
+	}
+	w.visible = known
+	return nil
+}
+
+// removeStaleVisible removes the writer's symlinks for first path elements
+// no longer in payload, after the switch.
+func (w *AtomicWriter) removeStaleVisible(payload Payload) error {
+	want := topLevel(payload)
+	known := w.visible
+	w.visible = nil
+	for name := range known {
+		if !want[name] && w.isVisibleLink(name) {
+			if err := w.root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return fmt.Errorf("atomic writer: %w", err)
+			}
+		}
+	}
+	w.visible = want
+	return nil
+}
