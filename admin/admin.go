@@ -26,15 +26,9 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
 )
-
-// DefaultAddress is the admin endpoint's default: loopback only, on a port
-// in the range Prometheus reserves for exporters in its default port
-// allocations (9100–9999). [admin] address = "" turns the endpoint off.
-const DefaultAddress = config.DefaultAdminAddress
 
 // pingTimeout bounds how long /healthz waits for the reconciler's loop.
 const pingTimeout = 2 * time.Second
