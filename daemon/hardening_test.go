@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
@@ -10,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvmount/kvmount/admin"
 )
 
 // TestEtcdLostItsData: etcd at revision ~50 is stopped, its data directory
@@ -211,6 +214,8 @@ func (h *harness) waitNotified(state string) {
 // TestLogLevelOnReload: a reload applies a new log_level at once.
 func TestLogLevelOnReload(t *testing.T) {
 	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
 	h.put("/ll/a", "1")
 	h.writeConfig(h.mount("ll", "/ll/"))
 	h.start()
@@ -229,6 +234,19 @@ func TestLogLevelOnReload(t *testing.T) {
 	h.waitNotified("ready")
 	h.put("/ll/a", "2") // revision 3, projected at log_level error
 	h.waitContent(dir, map[string]string{"a": "2"})
+	// The files switch before the loop logs the projection: wait until
+	// the loop has handled it (the admin endpoint observes the same
+	// event right after the log line) before going back to debug.
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		_, body := unixGet(t, socket, "/status")
+		var st admin.Status
+		if err := json.Unmarshal([]byte(body), &st); err == nil && st.Mounts["ll"] != nil && st.Mounts["ll"].Revision == "main@3" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("/status never showed revision main@3: %s", body)
+		}
+	}
 	h.writeConfig(h.mount("ll", "/ll/")) // back to debug
 	h.sighup()
 	h.waitNotified("reloading")
