@@ -13,7 +13,7 @@ MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
 PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
 PKG_ARCHS   ?= amd64 arm64
 
-.PHONY: help build test fmt vet staticcheck consul-agent demo bench package clean
+.PHONY: help build test fmt vet staticcheck consul-agent demo bench bench-fleet package clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -41,9 +41,14 @@ demo: ## project keys of an in-process etcd into a directory, change them, show 
 	$(GO) run ./examples/demo
 
 bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
-	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -benchmem -benchtime 1000x -count 1 ./daemon
+	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -skip '^BenchmarkFleet$$' -benchmem -benchtime 1000x -count 1 ./daemon
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
+
+# FLEET daemons (separate processes) against one etcd, then one Consul agent.
+FLEET ?= 100
+bench-fleet: ## fan-out of one write to FLEET kvmount daemons (default 100), idle cost of the store (figures in BENCHMARKS.md)
+	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin KVMOUNT_FLEET=$(FLEET) $(GO) test -run '^$$' -bench '^BenchmarkFleet$$' -benchtime 20x -count 1 -timeout 30m ./daemon
 
 package: ## build the .deb and .rpm packages (amd64, arm64) into dist/ with nfpm (pinned, run through go run)
 	rm -rf dist && mkdir -p dist/pkg

@@ -101,7 +101,11 @@ func etcdStore(b *testing.B) benchStore {
 
 // consulStore starts a consul agent (-dev: in memory, so no fsync).
 func consulStore(b *testing.B) benchStore {
-	agent := consultest.Start(b)
+	return consulStoreOf(b, consultest.Start(b))
+}
+
+// consulStoreOf is the store of a running agent.
+func consulStoreOf(b *testing.B, agent *consultest.Agent) benchStore {
 	client := agent.Client()
 	return benchStore{
 		source: fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),

@@ -58,6 +58,7 @@ func Binary(tb testing.TB) string {
 type Agent struct {
 	bin   string
 	ports [4]int // http, server, serf lan, serf wan
+	args  []string
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -66,10 +67,11 @@ type Agent struct {
 }
 
 // Start starts an agent and waits until it is leader; it is stopped when
-// the test ends, and its logs are shown if the test failed.
-func Start(tb testing.TB) *Agent {
+// the test ends, and its logs are shown if the test failed. args are added
+// to the agent's command line, such as "-hcl" and a configuration snippet.
+func Start(tb testing.TB, args ...string) *Agent {
 	tb.Helper()
-	a := &Agent{bin: Binary(tb)}
+	a := &Agent{bin: Binary(tb), args: args}
 	for i := range a.ports {
 		port, err := freePort()
 		if err != nil {
@@ -95,6 +97,16 @@ func (a *Agent) Addr() string { return "127.0.0.1:" + strconv.Itoa(a.ports[0]) }
 // URL returns the HTTP API's URL.
 func (a *Agent) URL() string { return "http://" + a.Addr() }
 
+// PID returns the agent's process ID; 0 when it is stopped.
+func (a *Agent) PID() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.cmd == nil {
+		return 0
+	}
+	return a.cmd.Process.Pid
+}
+
 // Logs returns what the agent printed.
 func (a *Agent) Logs() string { return a.logs.String() }
 
@@ -110,6 +122,7 @@ func (a *Agent) Restart() error {
 		"-dns-port", "-1", "-grpc-port", "-1", "-grpc-tls-port", "-1",
 		"-log-level", "warn",
 	)
+	cmd.Args = append(cmd.Args, a.args...)
 	cmd.Stdout, cmd.Stderr = &a.logs, &a.logs
 	if err := cmd.Start(); err != nil {
 		return fmt.Errorf("consultest: %w", err)

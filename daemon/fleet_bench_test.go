@@ -1,0 +1,355 @@
+package daemon
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/internal/consultest"
+)
+
+// fleetIdle is how long BenchmarkFleet watches the store and the daemons
+// doing nothing.
+const fleetIdle = 30 * time.Second
+
+// BenchmarkFleet (make bench-fleet) measures fan-out: N kvmount daemons
+// ($KVMOUNT_FLEET, default 100), separate processes with separate state
+// directories, each follow one shared prefix (into a tmpfs) and one of
+// their own (on disk), first against one in-process etcd, then against one
+// Consul agent whose limits.http_max_conns_per_client is raised (all the
+// daemons connect from 127.0.0.1; their blocking queries wait 15 s). It
+// reports the time to project all N from cold; at rest, over fleetIdle,
+// the store's CPU (also alone, before the daemons start), the requests it
+// served per second and the daemons' memory (the sum of their PSS; RSS and
+// anonymous memory per daemon); then, for each of b.N
+// writes to the shared prefix, the time until each daemon switched its
+// ..data: p50/p99/max over every daemon and write ("fanout-*"), and the
+// p50/max over writes of the time until the last daemon had it
+// ("all-*"). Run with -benchtime 20x.
+func BenchmarkFleet(b *testing.B) {
+	n := 100
+	if v := os.Getenv("KVMOUNT_FLEET"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 {
+			b.Fatalf("KVMOUNT_FLEET=%q: want a positive number of daemons", v)
+		}
+	}
+	b.Run("etcd", func(b *testing.B) { benchFleet(b, n, fleetEtcd(b)) })
+	b.Run("consul", func(b *testing.B) { benchFleet(b, n, fleetConsul(b, n)) })
+}
+
+// fleetStore is a store with the means to watch it at rest.
+type fleetStore struct {
+	benchStore
+	// cpu returns the CPU time the store has used so far.
+	cpu func() time.Duration
+	// requests returns how many requests the store has served so far.
+	requests func() float64
+}
+
+// fleetEtcd is an in-process etcd: its CPU is this process's (idle but
+// for it while the daemons rest), its requests the gRPC messages it
+// received (a unary call is one; a watch stream's create, cancel and
+// progress requests one each).
+func fleetEtcd(b *testing.B) fleetStore {
+	return fleetStore{
+		benchStore: etcdStore(b),
+		cpu: func() time.Duration {
+			var ru unix.Rusage
+			if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+				b.Fatal(err)
+			}
+			return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		},
+		requests: func() float64 {
+			families, err := prometheus.DefaultGatherer.Gather()
+			if err != nil {
+				b.Fatal(err)
+			}
+			total := 0.0
+			for _, f := range families {
+				if f.GetName() == "grpc_server_msg_received_total" {
+					for _, m := range f.GetMetric() {
+						total += m.GetCounter().GetValue()
+					}
+				}
+			}
+			return total
+		},
+	}
+}
+
+// fleetConsul is a Consul agent that accepts ten connections per daemon
+// and keeps Prometheus metrics: its requests are the count of its
+// consul_api_http summary, less the metrics requests themselves.
+func fleetConsul(b *testing.B, n int) fleetStore {
+	agent := consultest.Start(b,
+		"-hcl", fmt.Sprintf("limits { http_max_conns_per_client = %d }", 10*n+200),
+		"-hcl", `telemetry { prometheus_retention_time = "1h" disable_hostname = true }`)
+	store := consulStoreOf(b, agent)
+	// A blocking query returns at least once per wait, changed or not:
+	// 15 s (instead of 5 min) so that a rest of fleetIdle sees each
+	// daemon's query return about twice.
+	store.source += "wait = \"15s\"\n"
+	asked := 0.0
+	return fleetStore{
+		benchStore: store,
+		cpu: func() time.Duration {
+			return processCPU(b, agent.PID())
+		},
+		requests: func() float64 {
+			resp, err := http.Get(agent.URL() + "/v1/agent/metrics?format=prometheus")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer resp.Body.Close()
+			body, _ := io.ReadAll(resp.Body)
+			parser := expfmt.NewTextParser(model.UTF8Validation)
+			families, err := parser.TextToMetricFamilies(bytes.NewReader(body))
+			if err != nil {
+				b.Fatalf("agent metrics: %v", err)
+			}
+			f := families["consul_api_http"]
+			if f == nil {
+				b.Fatalf("agent metrics lack consul_api_http")
+			}
+			total := 0.0
+			for _, m := range f.GetMetric() {
+				total += float64(m.GetSummary().GetSampleCount())
+			}
+			asked++
+			return total - (asked - 1)
+		},
+	}
+}
+
+// processCPU returns the user and system CPU time of process pid, from
+// /proc/<pid>/stat (fields 14 and 15, in clock ticks of 1/100 s).
+func processCPU(b *testing.B, pid int) time.Duration {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	// The command name (field 2) may hold spaces; fields count from after it.
+	fields := strings.Fields(string(data[bytes.LastIndexByte(data, ')')+1:]))
+	utime, _ := strconv.ParseInt(fields[11], 10, 64)
+	stime, _ := strconv.ParseInt(fields[12], 10, 64)
+	return time.Duration(utime+stime) * 10 * time.Millisecond
+}
+
+// processMemory returns fields of /proc/<pid>/smaps_rollup in bytes, such
+// as "Rss" (resident set size, counting pages shared with other processes
+// in full), "Pss" (proportional set size: a shared page divided among its
+// sharers, so that the sum over processes is the memory they use) and
+// "Anonymous" (the process's own heap and stacks).
+func processMemory(b *testing.B, pid int) map[string]int64 {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/smaps_rollup", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, line := range strings.Split(string(data), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 3 && f[2] == "kB" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			out[strings.TrimSuffix(f[0], ":")] = kb << 10
+		}
+	}
+	return out
+}
+
+func benchFleet(b *testing.B, n int, store fleetStore) {
+	shared := store.prefix + "shared/"
+	kv := []string{shared + "key", "0"}
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("%svm%04d/key", store.prefix, i), fmt.Sprint(i))
+	}
+	for i := 0; i < len(kv); i += 128 {
+		store.seed(kv[i:min(i+128, len(kv))])
+	}
+	bin := buildKvmount(b)
+	base := b.TempDir()
+	// The store alone at rest, for comparison.
+	cpu0, t0 := store.cpu(), time.Now()
+	time.Sleep(fleetIdle)
+	baseCPU, baseIdle := store.cpu()-cpu0, time.Since(t0)
+
+	sharedDir := func(i int) string { return filepath.Join(base, fmt.Sprintf("vm%04d", i), "shared") }
+	ownDir := func(i int) string { return filepath.Join(base, fmt.Sprintf("vm%04d", i), "own") }
+	pids := make([]int, n)
+	var cmds []*exec.Cmd
+	b.Cleanup(func() {
+		// All at once: one after the other, a hundred clean stops add up.
+		for _, cmd := range cmds {
+			_ = cmd.Process.Signal(syscall.SIGTERM)
+		}
+		for _, cmd := range cmds {
+			_ = cmd.Wait()
+		}
+	})
+	start := time.Now()
+	for i := range n {
+		cfg := fmt.Sprintf(`state_dir = %q
+[admin]
+address = ""
+[sources.main]
+%s
+[[mount]]
+name = "shared"
+dir = %q
+source = "main"
+prefix = %q
+medium = "tmpfs"
+
+[[mount]]
+name = "own"
+dir = %q
+source = "main"
+prefix = "%svm%04d/"
+`, filepath.Join(base, fmt.Sprintf("vm%04d", i), "state"), store.source, sharedDir(i), shared, ownDir(i), store.prefix, i)
+		configPath := filepath.Join(base, fmt.Sprintf("vm%04d.toml", i))
+		if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
+			b.Fatal(err)
+		}
+		dir := sharedDir(i)
+		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
+		cmd := exec.Command(bin, "run", "-config", configPath)
+		cmd.Stderr = io.Discard
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		pids[i] = cmd.Process.Pid
+		cmds = append(cmds, cmd)
+	}
+	for deadline := time.Now().Add(5 * waitTimeout); ; time.Sleep(20 * time.Millisecond) {
+		projected := 0
+		for i := range n {
+			_, err1 := os.Lstat(filepath.Join(sharedDir(i), "key"))
+			_, err2 := os.Lstat(filepath.Join(ownDir(i), "key"))
+			if err1 == nil && err2 == nil {
+				projected++
+			}
+		}
+		if projected == n {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("only %d of %d daemons projected both mounts", projected, n)
+		}
+	}
+	coldStart := time.Since(start)
+
+	// At rest: after the daemons have settled (and returned their
+	// start-up garbage), watch the store and the daemons do nothing.
+	time.Sleep(5 * time.Second)
+	cpu0, t0 = store.cpu(), time.Now()
+	req0 := store.requests()
+	time.Sleep(fleetIdle)
+	cpu1, req1, idle := store.cpu(), store.requests(), time.Since(t0)
+	var rss, pss, anon int64
+	for _, pid := range pids {
+		m := processMemory(b, pid)
+		rss, pss, anon = rss+m["Rss"], pss+m["Pss"], anon+m["Anonymous"]
+	}
+
+	w := watchFleet(b, n, sharedDir)
+	var each, all []time.Duration
+	b.ResetTimer()
+	for i := range b.N {
+		t0 := time.Now()
+		if err := store.put(shared+"key", fmt.Sprintf("update %d", i)); err != nil {
+			b.Fatal(err)
+		}
+		lat := w.collect(b, t0)
+		each = append(each, lat...)
+		all = append(all, slices.Max(lat))
+	}
+	b.StopTimer()
+	report(b, "fanout", each)
+	slices.Sort(all)
+	b.ReportMetric(float64(all[len(all)/2])/float64(time.Millisecond), "all-p50-ms")
+	b.ReportMetric(float64(all[len(all)-1])/float64(time.Millisecond), "all-max-ms")
+	b.ReportMetric(coldStart.Seconds(), "cold-start-s")
+	b.ReportMetric(100*float64(baseCPU)/float64(baseIdle), "store-alone-idle-cpu-%")
+	b.ReportMetric(100*float64(cpu1-cpu0)/float64(idle), "store-idle-cpu-%")
+	b.ReportMetric((req1-req0)/idle.Seconds(), "store-idle-req/s")
+	const mib = 1 << 20
+	b.ReportMetric(float64(pss)/mib, "kvmount-total-pss-MiB")
+	b.ReportMetric(float64(rss)/float64(n)/mib, "rss-per-daemon-MiB")
+	b.ReportMetric(float64(anon)/float64(n)/mib, "anon-per-daemon-MiB")
+}
+
+// fleetWatcher learns of every daemon's switch of its shared mount's
+// ..data through one inotify instance.
+type fleetWatcher struct {
+	fd     int
+	daemon map[int32]int // watch descriptor → daemon
+	n      int
+}
+
+func watchFleet(b *testing.B, n int, dir func(int) string) *fleetWatcher {
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { unix.Close(fd) })
+	w := &fleetWatcher{fd: fd, daemon: map[int32]int{}, n: n}
+	for i := range n {
+		wd, err := unix.InotifyAddWatch(fd, dir(i), unix.IN_MOVED_TO)
+		if err != nil {
+			b.Fatal(err)
+		}
+		w.daemon[int32(wd)] = i
+	}
+	return w
+}
+
+// collect returns, for each daemon, the time from t0 until its ..data was
+// switched, waiting for all of them for at most waitTimeout.
+func (w *fleetWatcher) collect(b *testing.B, t0 time.Time) []time.Duration {
+	got := make([]time.Duration, w.n)
+	seen := 0
+	buf := make([]byte, 64<<10)
+	deadline := time.Now().Add(waitTimeout)
+	for seen < w.n {
+		n, err := unix.Read(w.fd, buf)
+		now := time.Since(t0)
+		if err == nil && n > 0 {
+			for off := 0; off+unix.SizeofInotifyEvent <= n; {
+				ev := (*unix.InotifyEvent)(unsafe.Pointer(&buf[off]))
+				name := strings.TrimRight(string(buf[off+unix.SizeofInotifyEvent:off+unix.SizeofInotifyEvent+int(ev.Len)]), "\x00")
+				off += unix.SizeofInotifyEvent + int(ev.Len)
+				if i, ok := w.daemon[ev.Wd]; ok && name == "..data" && got[i] == 0 {
+					got[i] = now
+					seen++
+				}
+			}
+			continue
+		}
+		left := time.Until(deadline)
+		if left <= 0 {
+			b.Fatalf("%d of %d daemons switched within %v", seen, w.n, waitTimeout)
+		}
+		fds := []unix.PollFd{{Fd: int32(w.fd), Events: unix.POLLIN}}
+		if _, err := unix.Poll(fds, int(left.Milliseconds())+1); err != nil && err != unix.EINTR {
+			b.Fatal(err)
+		}
+	}
+	return got
+}
