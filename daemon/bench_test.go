@@ -135,6 +135,8 @@ func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir s
 
 // benchExtras are settings a benchmark adds to its daemon.
 type benchExtras struct {
+	// bin is the kvmount binary to run; "" builds this tree's.
+	bin string
 	// admin is [admin] address; "" turns the endpoint off.
 	admin string
 	// mount is appended to the [[mount]] table, such as notify entries.
@@ -156,15 +158,23 @@ func benchDaemonWith(b *testing.B, store benchStore, keys int, medium string, ex
 	if medium == "tmpfs" {
 		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 	}
-	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = %q\n[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n%s",
-		filepath.Join(base, "state"), extra.admin, store.source, dir, store.prefix, medium, extra.mount)
+	bin := extra.bin
+	if bin == "" {
+		bin = buildKvmount(b)
+	}
+	admin := fmt.Sprintf("[admin]\naddress = %q\n", extra.admin)
+	if extra.admin == "" && !knowsAdmin(b, bin) {
+		admin = "" // a binary from before the admin endpoint
+	}
+	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n%s[sources.main]\n%s[[mount]]\nname = \"bench\"\ndir = %q\nsource = \"main\"\nprefix = %q\nmedium = %q\n%s",
+		filepath.Join(base, "state"), admin, store.source, dir, store.prefix, medium, extra.mount)
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
 	}
 	// kvmount runs as its own process, as in production: in this one, the
 	// garbage collector would also scan the in-process etcd's heap.
-	cmd := exec.Command(buildKvmount(b), "run", "-config", configPath)
+	cmd := exec.Command(bin, "run", "-config", configPath)
 	cmd.Stderr = io.Discard
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
@@ -263,20 +273,48 @@ func report(b *testing.B, name string, d []time.Duration) {
 	b.ReportMetric(float64(d[len(d)-1])/float64(time.Millisecond), name+"-max-ms")
 }
 
+// knowsAdmin reports whether the kvmount binary bin accepts an [admin]
+// table (binaries from before the admin endpoint refuse it).
+func knowsAdmin(b *testing.B, bin string) bool {
+	b.Helper()
+	path := filepath.Join(b.TempDir(), "probe.toml")
+	if err := os.WriteFile(path, []byte("[admin]\naddress = \"\"\n"), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	return exec.Command(bin, "check", "-config", path).Run() == nil
+}
+
 // BenchmarkPutToFile is the latency from a put of one key, in etcd and in
 // Consul, to the new content being visible in a one-key mount on disk or
 // tmpfs. Run with -benchtime 1000x or more: percentiles are over b.N
 // sequential updates.
+//
+// With $KVMOUNT_BENCH_BASELINE set to a kvmount binary built from another
+// commit, each case runs that binary ("/baseline") and then this tree's
+// ("/head") on the same store, side by side in one run.
 func BenchmarkPutToFile(b *testing.B) {
+	baseline := os.Getenv("KVMOUNT_BENCH_BASELINE")
 	for _, s := range []struct {
 		name   string
 		store  func(*testing.B) benchStore
 		medium string
 	}{{"etcd/disk", etcdStore, "disk"}, {"etcd/tmpfs", etcdStore, "tmpfs"}, {"consul/disk", consulStore, "disk"}, {"consul/tmpfs", consulStore, "tmpfs"}} {
 		b.Run(s.name, func(b *testing.B) {
+			if baseline == "" {
+				store := s.store(b)
+				dir := benchDaemon(b, store, 1, s.medium)
+				measureUpdates(b, store, dir, func(int) string { return "key-00000" })
+				return
+			}
 			store := s.store(b)
-			dir := benchDaemon(b, store, 1, s.medium)
-			measureUpdates(b, store, dir, func(int) string { return "key-00000" })
+			for i, bin := range []string{baseline, ""} {
+				b.Run([]string{"baseline", "head"}[i], func(b *testing.B) {
+					store := store
+					store.prefix = fmt.Sprintf("%s%d/", store.prefix, i) // each its own keys
+					dir := benchDaemonWith(b, store, 1, s.medium, benchExtras{bin: bin})
+					measureUpdates(b, store, dir, func(int) string { return "key-00000" })
+				})
+			}
 		})
 	}
 }

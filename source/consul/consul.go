@@ -127,9 +127,10 @@ type Source struct {
 	fanout *source.Fanout
 
 	mu      sync.Mutex
-	last    *listing                  // the latest listing, nil before the first
+	groups  []string                  // the prefixes the running queries read
+	lists   map[string]*listing       // the latest listing of each group
 	seen    map[*source.Follower]seen // what each follower was last woken for
-	requery context.CancelFunc        // cuts the running query short
+	regroup context.CancelFunc        // stops the running queries to group anew
 }
 
 var _ source.Source = (*Source)(nil)
@@ -165,7 +166,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, seen: map[*source.Follower]seen{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, seen: map[*source.Follower]seen{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }

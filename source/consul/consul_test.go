@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -295,11 +296,12 @@ func agentConnections(t *testing.T, port string) int {
 	return n
 }
 
-// TestManyPrefixesOneConnection follows 300 prefixes of one default agent
+// TestManyPrefixesFewConnections follows 300 prefixes of one default agent
 // (which refuses more than 200 connections per client): every prefix gets
-// its snapshot, a write to the last one arrives, and the source holds one
-// connection, not one per prefix.
-func TestManyPrefixesOneConnection(t *testing.T) {
+// its snapshot, a write to the last one arrives, and the source holds a
+// connection per group (three: many/p0, many/p1, many/p2), not one per
+// prefix.
+func TestManyPrefixesFewConnections(t *testing.T) {
 	agent := consultest.Start(t)
 	client := agent.Client()
 	const n = 300
@@ -333,8 +335,9 @@ func TestManyPrefixesOneConnection(t *testing.T) {
 	t.Logf("%d prefixes, %d connections to the agent (the source's and the test's client)", n, agentConnections(t, port))
 }
 
-// TestPrefixesWithNothingInCommon: "a/" and "b/" share no prefix; the
-// query reads all of KV and splits it, and keys elsewhere are not theirs.
+// TestPrefixesWithNothingInCommon: "a/" and "b/" share no prefix; each
+// has a query of its own (not one on all of KV), and keys elsewhere are
+// not theirs.
 func TestPrefixesWithNothingInCommon(t *testing.T) {
 	agent := consultest.Start(t)
 	client := agent.Client()
@@ -347,10 +350,68 @@ func TestPrefixesWithNothingInCommon(t *testing.T) {
 	a, b := sourcetest.Follow(t, src, "a/"), sourcetest.Follow(t, src, "b/")
 	a.WaitFor(t, "a", sourcetest.Holds(map[string]string{"x": "1"}))
 	b.WaitFor(t, "b", sourcetest.Holds(map[string]string{"y": "2"}))
+	src.mu.Lock()
+	groups := slices.Clone(src.groups)
+	src.mu.Unlock()
+	if !slices.Equal(groups, []string{"a/", "b/"}) {
+		t.Errorf("queries read %q; want [a/ b/]", groups)
+	}
 	consultest.Txn(t, client, "b/y", "two", "a/x", consultest.Delete)
 	b.WaitFor(t, "b updated", sourcetest.Holds(map[string]string{"y": "two"}))
 	a.WaitFor(t, "a emptied", sourcetest.Missing)
 	// A prefix added later widens nothing here but is served at once.
 	c := sourcetest.Follow(t, src, "c/")
 	c.WaitFor(t, "c", sourcetest.Holds(map[string]string{"z": "3"}))
+}
+
+// TestPartition: which prefixes the queries read for a set of followed
+// prefixes, with at most maxQueries of them.
+func TestPartition(t *testing.T) {
+	many := func(format string, n int) []string {
+		var out []string
+		for i := range n {
+			out = append(out, fmt.Sprintf(format, i))
+		}
+		return out
+	}
+	for _, c := range []struct {
+		name     string
+		prefixes []string
+		want     []string
+	}{
+		{"none", nil, nil},
+		{"one", []string{"app/"}, []string{"app/"}},
+		{"duplicates", []string{"app/", "app/"}, []string{"app/"}},
+		{"nothing in common", []string{"a/", "b/"}, []string{"a/", "b/"}},
+		{"a VM of a fleet", []string{"fleet/shared/", "fleet/vm0042/"}, []string{"fleet/shared/", "fleet/vm0042/"}},
+		{"one inside another", []string{"app/", "app/db/", "app/web/"}, []string{"app/"}},
+		{"nested, beside another", []string{"app/", "app/db/", "other/"}, []string{"app/", "other/"}},
+		{"the whole store", []string{"", "a/"}, []string{""}},
+		{"ten branches stay one query", many("p%04d/", 1000), []string{"p0"}},
+		{"three branches", many("p%03d/", 300), []string{"p0", "p1", "p2"}},
+		// a/ would split into three: five queries with b/1/ and c/.
+		{"within the budget", []string{"a/1/", "a/2/", "a/3/", "b/1/", "c/"}, []string{"a/", "b/1/", "c/"}},
+		{"split twice", []string{"x/a/1/", "x/a/2/", "x/b/"}, []string{"x/a/1/", "x/a/2/", "x/b/"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got := partition(c.prefixes, maxQueries)
+			if !slices.Equal(got, c.want) {
+				t.Errorf("partition(%q) = %q; want %q", c.prefixes, got, c.want)
+			}
+			for _, p := range c.prefixes {
+				n := 0
+				for _, g := range got {
+					if strings.HasPrefix(p, g) {
+						n++
+					}
+				}
+				if n != 1 {
+					t.Errorf("%q is covered by %d queries; want 1", p, n)
+				}
+			}
+			if len(got) > maxQueries {
+				t.Errorf("%d queries; want at most %d", len(got), maxQueries)
+			}
+		})
+	}
 }

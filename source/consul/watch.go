@@ -6,6 +6,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/hashicorp/consul/api"
 	"golang.org/x/time/rate"
@@ -13,19 +14,30 @@ import (
 	"github.com/kvmount/kvmount/source"
 )
 
-// A Source follows all its prefixes with one blocking query (one
-// connection to the agent), whatever their number: the query reads the
-// longest prefix they have in common (all of KV when they have none) and
-// each prefix's snapshot is split from that one response, so that it is
-// consistent at one index. A default agent refuses more than 200
-// concurrent connections per client, which one query per prefix (or per
-// key, as consul-template does) reaches at about 200 prefixes.
+// A Source follows all its prefixes with at most maxQueries blocking
+// queries (one connection to the agent each), whatever their number. Each
+// query reads a prefix that covers a group of them — the longest prefix the
+// group has in common, all of KV when it has none — and each prefix's
+// snapshot is split from that one response, so that it is consistent at one
+// index. A default agent refuses more than 200 concurrent connections per
+// client, which one query per prefix (or per key, as consul-template does)
+// reaches at about 200 prefixes.
 //
-// A change anywhere under the common prefix returns the query; the
-// response is sorted by key, so each follower finds its range by binary
-// search, and a follower whose range has the same number of keys and the
-// same highest ModifyIndex as before publishes nothing: a change costs a
-// read of the common prefix and the work of the prefixes it touched.
+// The groups come from the prefixes' trie (partition): prefixes that share
+// less go to different queries, as long as there are queries to spare. A
+// VM that follows "fleet/shared/" and "fleet/vm0042/" runs two queries,
+// not one on "fleet/" that every other VM's keys would wake and fill; a
+// thousand prefixes "p0000/" to "p0999/" (ten branches at their first
+// difference) share one.
+//
+// A change anywhere under a query's prefix returns it; the response is
+// sorted by key, so each follower finds its range by binary search, and a
+// follower whose range has the same number of keys and the same highest
+// ModifyIndex as before publishes nothing: a change costs a read of its
+// group's prefix and the work of the prefixes it touched.
+
+// maxQueries is the most blocking queries a Source runs at once.
+const maxQueries = 4
 
 // seen is what the watcher last woke a follower for: whether it was
 // woken for a listing, and what that listing showed of its prefix.
@@ -35,7 +47,7 @@ type seen struct {
 	errText string
 }
 
-// listing is the outcome of the shared query: the pairs under parent,
+// listing is the outcome of one group's query: the pairs under parent,
 // sorted by key, at index; or the error of the last failed query.
 type listing struct {
 	parent string
@@ -45,13 +57,13 @@ type listing struct {
 }
 
 // join registers a follower of prefix with the shared watcher (the first
-// starts it) and restarts the query when prefix widens the common prefix.
+// starts it) and regroups the queries when none covers prefix.
 func (s *Source) join(prefix string) *source.Follower {
 	f := s.fanout.Join(prefix) // woken once: it reads what is known
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if (s.last == nil || !strings.HasPrefix(prefix, s.last.parent)) && s.requery != nil {
-		s.requery() // widen the query at once
+	if _, ok := coveringGroup(s.groups, prefix); !ok && s.regroup != nil {
+		s.regroup()
 	}
 	return f
 }
@@ -62,49 +74,124 @@ func (s *Source) leave(f *source.Follower) {
 	delete(s.seen, f)
 	s.mu.Unlock()
 	s.fanout.Leave(f)
-	s.mu.Lock()
-	if len(s.fanout.Prefixes()) == 0 {
-		s.last = nil
-	}
-	s.mu.Unlock()
 }
 
-// parent returns the longest prefix common to every follower's prefix.
-func (s *Source) parent() string {
-	prefixes := s.fanout.Prefixes()
-	if len(prefixes) == 0 {
-		return ""
-	}
-	common := prefixes[0]
-	for _, p := range prefixes[1:] {
-		n := 0
-		for n < len(common) && n < len(p) && common[n] == p[n] {
-			n++
+// coveringGroup returns the prefix in groups that prefix starts with, if
+// any. Groups never start with one another, so there is at most one.
+func coveringGroup(groups []string, prefix string) (string, bool) {
+	for _, g := range groups {
+		if strings.HasPrefix(prefix, g) {
+			return g, true
 		}
-		common = common[:n]
 	}
-	return common
+	return "", false
 }
 
-// set records a listing and wakes the followers it concerns: those whose
-// range changed (its key count or highest ModifyIndex), whose error state
-// changed, or that have not been woken yet. The others have nothing new.
+// partition returns the prefixes of at most max queries that cover
+// prefixes, sorted: each query reads the longest prefix its group has in
+// common, and no query's prefix starts with another's, so each prefix has
+// exactly one. It starts from one group and splits the largest group that
+// can be split — by the byte after its common prefix, unless one of its
+// prefixes is that common prefix — while the split keeps the count within
+// max.
+func partition(prefixes []string, max int) []string {
+	prefixes = slices.Clone(prefixes)
+	slices.Sort(prefixes)
+	prefixes = slices.Compact(prefixes)
+	if len(prefixes) == 0 {
+		return nil
+	}
+	type group struct {
+		members []string // sorted
+		common  string
+		final   bool
+	}
+	groups := []group{{members: prefixes, common: commonPrefix(prefixes)}}
+	for {
+		best := -1
+		for i, g := range groups {
+			if !g.final && len(g.members) > 1 && (best < 0 || len(g.members) > len(groups[best].members)) {
+				best = i
+			}
+		}
+		if best < 0 {
+			break
+		}
+		g := groups[best]
+		if g.members[0] == g.common { // sorted: the common prefix comes first
+			groups[best].final = true
+			continue
+		}
+		var parts []group
+		for lo := 0; lo < len(g.members); {
+			b := g.members[lo][len(g.common)]
+			hi := lo + 1
+			for hi < len(g.members) && g.members[hi][len(g.common)] == b {
+				hi++
+			}
+			parts = append(parts, group{members: g.members[lo:hi], common: commonPrefix(g.members[lo:hi])})
+			lo = hi
+		}
+		if len(groups)-1+len(parts) > max {
+			groups[best].final = true
+			continue
+		}
+		groups = slices.Replace(groups, best, best+1, parts...)
+	}
+	out := make([]string, len(groups))
+	for i, g := range groups {
+		out[i] = g.common
+	}
+	slices.Sort(out)
+	return out
+}
+
+// commonPrefix returns the longest prefix of the sorted strings ss: that of
+// the first and the last.
+func commonPrefix(ss []string) string {
+	first, last := ss[0], ss[len(ss)-1]
+	n := 0
+	for n < len(first) && n < len(last) && first[n] == last[n] {
+		n++
+	}
+	return first[:n]
+}
+
+// listingFor returns the listing of the query that covers prefix, or nil
+// before it has answered. Callers hold s.mu.
+func (s *Source) listingFor(prefix string) *listing {
+	g, ok := coveringGroup(s.groups, prefix)
+	if !ok {
+		return nil
+	}
+	return s.lists[g]
+}
+
+// set records a listing and wakes the followers it concerns: those of its
+// group whose range changed (its key count or highest ModifyIndex), whose
+// error state changed, or that have not been woken yet. The others have
+// nothing new.
 func (s *Source) set(l *listing) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if l.err != nil && s.last != nil {
-		// Keep the last pairs; report the error.
-		prev := *s.last
-		prev.err = l.err
-		l = &prev
+	if !slices.Contains(s.groups, l.parent) {
+		return // the last answer of a query regrouped away
 	}
-	s.last = l
+	if l.err != nil {
+		if prev := s.lists[l.parent]; prev != nil {
+			// Keep the last pairs; report the error.
+			kept := *prev
+			kept.err = l.err
+			l = &kept
+		}
+	}
+	s.lists[l.parent] = l
 	errText := ""
 	if l.err != nil {
 		errText = l.err.Error()
 	}
 	s.fanout.Wake(func(f *source.Follower) bool {
-		if !strings.HasPrefix(f.Prefix, l.parent) {
+		if g, ok := coveringGroup(s.groups, f.Prefix); !ok || g != l.parent {
 			return false
 		}
 		sig := signatureOf(rangeOf(l.pairs, f.Prefix))
@@ -116,39 +203,59 @@ func (s *Source) set(l *listing) {
 	})
 }
 
-// watch runs the shared query until ctx is done, by Consul's rules for
-// blocking queries: the index is reset to 0 when it goes backwards, after
-// a failed query and when the common prefix changes; it is never sent
-// below 1; returns without a change are rate-limited (a burst of 5, then
-// one per 15 s). In poll mode it reads the common prefix every
-// poll_interval instead.
+// watch runs the groups' queries until ctx is done, and runs them anew,
+// grouped again, whenever a follower joins that no query covers.
 func (s *Source) watch(ctx context.Context) {
+	defer func() {
+		s.mu.Lock()
+		s.groups, s.lists, s.regroup = nil, map[string]*listing{}, nil
+		s.mu.Unlock()
+	}()
+	for ctx.Err() == nil {
+		groups := partition(s.fanout.Prefixes(), maxQueries)
+		gctx, cancel := context.WithCancel(ctx)
+		s.mu.Lock()
+		s.groups, s.regroup = groups, cancel
+		for parent := range s.lists {
+			if !slices.Contains(groups, parent) {
+				delete(s.lists, parent)
+			}
+		}
+		s.mu.Unlock()
+		// A follower that joined after the partition and checked the
+		// groups before they were set is not covered: group again.
+		for _, p := range s.fanout.Prefixes() {
+			if _, ok := coveringGroup(groups, p); !ok {
+				cancel()
+			}
+		}
+		var wg sync.WaitGroup
+		for _, parent := range groups {
+			wg.Go(func() { s.query(gctx, parent) })
+		}
+		<-gctx.Done()
+		wg.Wait()
+		cancel()
+	}
+}
+
+// query runs the blocking query of one group until ctx is done, by
+// Consul's rules for blocking queries: the index starts at 0 and is reset
+// to 0 when it goes backwards and after a failed query; it is never sent
+// below 1; returns without a change are rate-limited (a burst of 5, then
+// one per 15 s). In poll mode it reads parent every poll_interval instead.
+func (s *Source) query(ctx context.Context, parent string) {
 	bo := source.NewBackoff()
 	idle := rate.NewLimiter(rate.Every(idleEvery), idleBurst)
 	var index uint64
-	lastParent := ""
-	first := true
 	for {
-		parent := s.parent()
-		if first || parent != lastParent || s.cfg.ChangeDetection == Poll {
+		if s.cfg.ChangeDetection == Poll {
 			index = 0
 		}
-		first, lastParent = false, parent
-		qctx, cancel := context.WithCancel(ctx)
-		s.mu.Lock()
-		s.requery = cancel
-		s.mu.Unlock()
-		pairs, meta, err := s.list(qctx, parent, index)
-		requeried := qctx.Err() != nil && ctx.Err() == nil
-		cancel()
-		s.mu.Lock()
-		s.requery = nil
-		s.mu.Unlock()
+		pairs, meta, err := s.list(ctx, parent, index)
 		switch {
 		case ctx.Err() != nil:
 			return
-		case requeried:
-			continue // the followers changed: query the new common prefix
 		case err != nil:
 			s.log.Warn("source unavailable, keeping last content", "prefix", parent, "err", err)
 			s.set(&listing{parent: parent, err: err})
@@ -220,9 +327,9 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		case <-f.Wake:
 		}
 		s.mu.Lock()
-		l := s.last
+		l := s.listingFor(prefix)
 		s.mu.Unlock()
-		if l == nil || !strings.HasPrefix(prefix, l.parent) {
+		if l == nil {
 			continue // a query covering this prefix is on its way
 		}
 		if l.err != nil {
