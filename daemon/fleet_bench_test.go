@@ -37,7 +37,8 @@ const fleetIdle = 30 * time.Second
 // reports the time to project all N from cold; at rest, over fleetIdle,
 // the store's CPU (also alone, before the daemons start), the requests it
 // served per second and the daemons' memory (the sum of their PSS; RSS and
-// anonymous memory per daemon); then, for each of b.N
+// anonymous memory per daemon); the store's CPU per write while the
+// daemons follow it; then, for each of b.N
 // writes to the shared prefix, the time until each daemon switched its
 // ..data: p50/p99/max over every daemon and write ("fanout-*"), and the
 // p50/max over writes of the time until the last daemon had it
@@ -270,6 +271,7 @@ prefix = "%svm%04d/"
 
 	w := watchFleet(b, n, sharedDir)
 	var each, all []time.Duration
+	cpuW := store.cpu()
 	b.ResetTimer()
 	for i := range b.N {
 		t0 := time.Now()
@@ -281,6 +283,7 @@ prefix = "%svm%04d/"
 		all = append(all, slices.Max(lat))
 	}
 	b.StopTimer()
+	cpuW = store.cpu() - cpuW
 	report(b, "fanout", each)
 	slices.Sort(all)
 	b.ReportMetric(float64(all[len(all)/2])/float64(time.Millisecond), "all-p50-ms")
@@ -289,6 +292,7 @@ prefix = "%svm%04d/"
 	b.ReportMetric(100*float64(baseCPU)/float64(baseIdle), "store-alone-idle-cpu-%")
 	b.ReportMetric(100*float64(cpu1-cpu0)/float64(idle), "store-idle-cpu-%")
 	b.ReportMetric((req1-req0)/idle.Seconds(), "store-idle-req/s")
+	b.ReportMetric(float64(cpuW)/float64(b.N)/float64(time.Millisecond), "store-cpu-ms/write")
 	const mib = 1 << 20
 	b.ReportMetric(float64(pss)/mib, "kvmount-total-pss-MiB")
 	b.ReportMetric(float64(rss)/float64(n)/mib, "rss-per-daemon-MiB")

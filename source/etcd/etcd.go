@@ -25,7 +25,6 @@ import (
 	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
-	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
 	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/connectivity"
@@ -130,8 +129,9 @@ type Source struct {
 	cfg  *Config
 	log  *slog.Logger
 
-	mu     sync.Mutex
-	client *clientv3.Client
+	mu      sync.Mutex
+	client  *clientv3.Client
+	monitor *monitor // of client's connection
 }
 
 var _ source.Source = (*Source)(nil)
@@ -152,21 +152,23 @@ func (s *Source) Close() error {
 	if s.client == nil {
 		return nil
 	}
+	s.monitor.stop()
 	err := s.client.Close()
-	s.client = nil
+	s.client, s.monitor = nil, nil
 	if err != nil && !errors.Is(err, context.Canceled) {
 		return fmt.Errorf("source/etcd: close: %w", err)
 	}
 	return nil
 }
 
-// connect returns the shared client, creating it on first use. With a
-// username, creating it authenticates, which needs etcd up.
-func (s *Source) connect() (*clientv3.Client, error) {
+// connect returns the shared client and the monitor of its connection,
+// creating them on first use. With a username, creating the client
+// authenticates, which needs etcd up.
+func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.client != nil {
-		return s.client, nil
+		return s.client, s.monitor, nil
 	}
 	cc := clientv3.Config{
 		Endpoints:            s.cfg.Endpoints,
@@ -197,7 +199,7 @@ func (s *Source) connect() (*clientv3.Client, error) {
 		}
 		tc, err := info.ClientConfig()
 		if err != nil {
-			return nil, fmt.Errorf("source/etcd: tls: %w", err)
+			return nil, nil, fmt.Errorf("source/etcd: tls: %w", err)
 		}
 		cc.TLS = tc
 	} else if usesTLS(s.cfg.Endpoints) {
@@ -205,10 +207,10 @@ func (s *Source) connect() (*clientv3.Client, error) {
 	}
 	cli, err := clientv3.New(cc)
 	if err != nil {
-		return nil, fmt.Errorf("source/etcd: connect %s: %w", strings.Join(s.cfg.Endpoints, ","), err)
+		return nil, nil, fmt.Errorf("source/etcd: connect %s: %w", strings.Join(s.cfg.Endpoints, ","), err)
 	}
-	s.client = cli
-	return cli, nil
+	s.client, s.monitor = cli, startMonitor(cli, s.cfg.Endpoints)
+	return cli, s.monitor, nil
 }
 
 func usesTLS(endpoints []string) bool {
@@ -312,7 +314,7 @@ func (f *follower) run(ctx context.Context) error {
 // cycle reads the prefix once and publishes it, then either watches it
 // until the watch ends or, in poll mode, waits one poll interval.
 func (f *follower) cycle(ctx context.Context) error {
-	cli, err := f.src.connect()
+	cli, mon, err := f.src.connect()
 	if err != nil {
 		return err
 	}
@@ -334,7 +336,7 @@ func (f *follower) cycle(ctx context.Context) error {
 		source.Sleep(ctx, source.Jitter(f.src.cfg.PollInterval))
 		return nil
 	}
-	return f.watch(ctx, cli, entries, rev)
+	return f.watch(ctx, cli, mon, entries, rev)
 }
 
 // publish delivers entries unless they equal the last snapshot, in which
@@ -414,21 +416,13 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 
 // watch follows the prefix from rev+1, publishing once per watch response,
 // until the watch ends. It always returns an error saying why.
-func (f *follower) watch(ctx context.Context, cli *clientv3.Client, entries map[string][]byte, rev int64) error {
+func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor, entries map[string][]byte, rev int64) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	// The monitor hands the header of each reconnect probe to this loop,
 	// which alone reads and writes f.seen and f.cluster.
-	probes := make(chan *etcdserverpb.ResponseHeader, 1)
-	var g errgroup.Group
-	g.Go(func() error {
-		f.monitor(wctx, cli, probes)
-		return nil
-	})
-	defer func() {
-		cancel()
-		_ = g.Wait() // monitor returns nil
-	}()
+	sub := mon.subscribe(f.prefix, f.pub)
+	defer mon.unsubscribe(sub)
 
 	key, end := span(f.prefix)
 	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev+1), clientv3.WithProgressNotify())
@@ -436,7 +430,7 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, entries map[
 		var resp clientv3.WatchResponse
 		var ok bool
 		select {
-		case h := <-probes:
+		case h := <-sub.probes:
 			if err := f.observe(h); err != nil {
 				return err
 			}
@@ -503,51 +497,4 @@ func apply(entries map[string][]byte, prefix string, events []*clientv3.Event) (
 		}
 	}
 	return next, copied
-}
-
-// monitor reports the prefix stale while the client's connection is in
-// transient failure, and current again once it is ready: the watch itself
-// reconnects silently and resumes where it left off, so without this an
-// etcd outage would go unreported. Each time the connection becomes ready
-// again it reads one key and hands the response header to probes, so that
-// an etcd that came back with less data is noticed at once rather than at
-// the next progress notification (every 10 minutes by default).
-func (f *follower) monitor(ctx context.Context, cli *clientv3.Client, probes chan<- *etcdserverpb.ResponseHeader) {
-	conn := cli.ActiveConnection()
-	state := conn.GetState()
-	for {
-		switch state {
-		case connectivity.TransientFailure:
-			f.pub.Status(fmt.Errorf("source/etcd: %s unreachable", strings.Join(f.src.cfg.Endpoints, ",")))
-		case connectivity.Ready:
-			f.pub.Status(nil)
-		}
-		prev := state
-		if !conn.WaitForStateChange(ctx, state) {
-			return
-		}
-		state = conn.GetState()
-		if state == connectivity.Ready && prev != connectivity.Ready {
-			if h := f.probe(ctx, cli); h != nil {
-				select {
-				case probes <- h:
-				case <-ctx.Done():
-					return
-				}
-			}
-		}
-	}
-}
-
-// probe reads the prefix key itself, counting only, and returns the
-// response header; nil when the read fails (the watch reports that).
-func (f *follower) probe(ctx context.Context, cli *clientv3.Client) *etcdserverpb.ResponseHeader {
-	rctx, cancel := context.WithTimeout(ctx, requestTimeout)
-	defer cancel()
-	key, _ := span(f.prefix)
-	resp, err := cli.Get(rctx, key, clientv3.WithCountOnly())
-	if err != nil {
-		return nil
-	}
-	return resp.Header
 }

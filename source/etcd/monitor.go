@@ -1,0 +1,158 @@
+package etcd
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc/connectivity"
+
+	"github.com/kvmount/kvmount/source"
+)
+
+// monitor watches the connection of a Source's client on behalf of all the
+// watches that use it — one goroutine per client, not one per prefix: with
+// a thousand prefixes, a thousand goroutines and their stacks waiting for
+// the same state change.
+//
+// It reports each watch's prefix stale while the connection is in
+// transient failure, and current again once it is ready: a watch
+// reconnects silently and resumes where it left off, so without this an
+// etcd outage would go unreported. Each time the connection becomes ready
+// again it reads one key and hands the response header to every watch, so
+// that an etcd that came back with less data is noticed at once rather
+// than at the next progress notification (every 10 minutes by default).
+type monitor struct {
+	cli       *clientv3.Client
+	endpoints string
+	cancel    context.CancelFunc
+	done      chan struct{}
+
+	mu    sync.Mutex
+	state connectivity.State
+	subs  map[*subscriber]struct{}
+}
+
+// subscriber is one watch's interest in the connection.
+type subscriber struct {
+	prefix string
+	pub    source.Publisher
+	// probes receives the header of the read made after each reconnect;
+	// it holds one, the newest.
+	probes chan *etcdserverpb.ResponseHeader
+}
+
+// startMonitor starts watching cli's connection until stop.
+func startMonitor(cli *clientv3.Client, endpoints []string) *monitor {
+	ctx, cancel := context.WithCancel(context.Background())
+	m := &monitor{
+		cli: cli, endpoints: strings.Join(endpoints, ","),
+		cancel: cancel, done: make(chan struct{}),
+		state: connectivity.Idle, subs: map[*subscriber]struct{}{},
+	}
+	go func() {
+		defer close(m.done)
+		m.run(ctx)
+	}()
+	return m
+}
+
+// stop ends the monitor and waits for it.
+func (m *monitor) stop() {
+	m.cancel()
+	<-m.done
+}
+
+// subscribe registers a watch of prefix that publishes to pub, and tells
+// pub the connection's state as last seen.
+func (m *monitor) subscribe(prefix string, pub source.Publisher) *subscriber {
+	sub := &subscriber{prefix: prefix, pub: pub, probes: make(chan *etcdserverpb.ResponseHeader, 1)}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.subs[sub] = struct{}{}
+	m.report(sub)
+	return sub
+}
+
+// unsubscribe removes sub.
+func (m *monitor) unsubscribe(sub *subscriber) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	delete(m.subs, sub)
+}
+
+// report tells sub the connection's state: stale in transient failure,
+// current when ready, nothing in between. Callers hold m.mu.
+func (m *monitor) report(sub *subscriber) {
+	switch m.state {
+	case connectivity.TransientFailure:
+		sub.pub.Status(fmt.Errorf("source/etcd: %s unreachable", m.endpoints))
+	case connectivity.Ready:
+		sub.pub.Status(nil)
+	}
+}
+
+func (m *monitor) run(ctx context.Context) {
+	conn := m.cli.ActiveConnection()
+	state := conn.GetState()
+	for {
+		m.mu.Lock()
+		m.state = state
+		for sub := range m.subs {
+			m.report(sub)
+		}
+		m.mu.Unlock()
+		prev := state
+		if !conn.WaitForStateChange(ctx, state) {
+			return
+		}
+		state = conn.GetState()
+		if state == connectivity.Ready && prev != connectivity.Ready {
+			if h := m.probe(ctx); h != nil {
+				m.deliver(h)
+			}
+		}
+	}
+}
+
+// probe reads one key, counting only, and returns the response header;
+// nil when the read fails (the watches report that). The key is a watched
+// prefix — readable by kvmount's user, where an arbitrary key might not be
+// — trying a few in turn.
+func (m *monitor) probe(ctx context.Context) *etcdserverpb.ResponseHeader {
+	m.mu.Lock()
+	var prefixes []string
+	for sub := range m.subs {
+		if prefixes = append(prefixes, sub.prefix); len(prefixes) == 3 {
+			break
+		}
+	}
+	m.mu.Unlock()
+	for _, prefix := range prefixes {
+		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+		key, _ := span(prefix)
+		resp, err := m.cli.Get(rctx, key, clientv3.WithCountOnly())
+		cancel()
+		if err == nil {
+			return resp.Header
+		}
+	}
+	return nil
+}
+
+// deliver hands h to every subscriber, replacing a header not yet taken:
+// the newer one says all the older one did.
+func (m *monitor) deliver(h *etcdserverpb.ResponseHeader) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for sub := range m.subs {
+		select {
+		case <-sub.probes:
+		default:
+		}
+		sub.probes <- h
+	}
+}
