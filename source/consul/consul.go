@@ -126,11 +126,11 @@ type Source struct {
 	// fanout runs the one watcher every Follow shares.
 	fanout *source.Fanout
 
-	mu      sync.Mutex
-	groups  []string                  // the prefixes the running queries read
-	lists   map[string]*listing       // the latest listing of each group
-	seen    map[*source.Follower]seen // what each follower was last woken for
-	regroup context.CancelFunc        // stops the running queries to group anew
+	mu        sync.Mutex
+	groups    []string            // the prefixes the running queries read
+	lists     map[string]*listing // the latest listing of each group
+	followers map[*source.Follower]*follower
+	regroup   context.CancelFunc // stops the running queries to group anew
 }
 
 var _ source.Source = (*Source)(nil)
@@ -166,7 +166,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, seen: map[*source.Follower]seen{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, followers: map[*source.Follower]*follower{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }

@@ -39,12 +39,14 @@ import (
 // maxQueries is the most blocking queries a Source runs at once.
 const maxQueries = 4
 
-// seen is what the watcher last woke a follower for: whether it was
-// woken for a listing, and what that listing showed of its prefix.
-type seen struct {
-	woken   bool
-	sig     signature
-	errText string
+// follower is one Follow's state, kept by the Source: what it last
+// published, so that an unchanged range publishes nothing.
+type follower struct {
+	prefix    string
+	pub       source.Publisher
+	published bool
+	sig       signature
+	errText   string // the error last reported; "" when healthy
 }
 
 // listing is the outcome of one group's query: the pairs under parent,
@@ -57,11 +59,17 @@ type listing struct {
 }
 
 // join registers a follower of prefix with the shared watcher (the first
-// starts it) and regroups the queries when none covers prefix.
-func (s *Source) join(prefix string) *source.Follower {
-	f := s.fanout.Join(prefix) // woken once: it reads what is known
+// starts it), hands it what its group's query already knows, and regroups
+// the queries when none covers prefix.
+func (s *Source) join(prefix string, pub source.Publisher) *source.Follower {
+	f := s.fanout.Join(prefix)
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	st := &follower{prefix: prefix, pub: pub}
+	s.followers[f] = st
+	if l := s.listingFor(prefix); l != nil {
+		s.deliver(st, l)
+	}
 	if _, ok := coveringGroup(s.groups, prefix); !ok && s.regroup != nil {
 		s.regroup()
 	}
@@ -71,7 +79,7 @@ func (s *Source) join(prefix string) *source.Follower {
 // leave unregisters f; the last one stops the watcher.
 func (s *Source) leave(f *source.Follower) {
 	s.mu.Lock()
-	delete(s.seen, f)
+	delete(s.followers, f)
 	s.mu.Unlock()
 	s.fanout.Leave(f)
 }
@@ -167,10 +175,9 @@ func (s *Source) listingFor(prefix string) *listing {
 	return s.lists[g]
 }
 
-// set records a listing and wakes the followers it concerns: those of its
-// group whose range changed (its key count or highest ModifyIndex), whose
-// error state changed, or that have not been woken yet. The others have
-// nothing new.
+// set records a listing and hands it to the followers of its group, on
+// the query's goroutine: a change reaches the feeds without another
+// goroutine's wake-up in between.
 func (s *Source) set(l *listing) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -186,21 +193,42 @@ func (s *Source) set(l *listing) {
 		}
 	}
 	s.lists[l.parent] = l
-	errText := ""
-	if l.err != nil {
-		errText = l.err.Error()
+	for _, st := range s.followers {
+		if g, ok := coveringGroup(s.groups, st.prefix); ok && g == l.parent {
+			s.deliver(st, l)
+		}
 	}
-	s.fanout.Wake(func(f *source.Follower) bool {
-		if g, ok := coveringGroup(s.groups, f.Prefix); !ok || g != l.parent {
-			return false
+}
+
+// deliver hands st its part of l: an error it has not reported yet; else
+// a snapshot when its range changed (its key count or highest
+// ModifyIndex) or was never published; else, after an error, that the
+// source is healthy again. Each snapshot is the prefix's part of one
+// response, consistent at its index; a prefix without keys is missing.
+// Callers hold s.mu.
+func (s *Source) deliver(st *follower, l *listing) {
+	if l.err != nil {
+		if text := l.err.Error(); text != st.errText {
+			st.pub.Status(l.err)
+			st.errText = text
 		}
-		sig := signatureOf(rangeOf(l.pairs, f.Prefix))
-		if last := s.seen[f]; last.woken && last.sig == sig && last.errText == errText {
-			return false
+		return
+	}
+	own := rangeOf(l.pairs, st.prefix)
+	sig := signatureOf(own)
+	if st.published && sig == st.sig {
+		if st.errText != "" {
+			st.pub.Status(nil) // reachable again, nothing new for this prefix
+			st.errText = ""
 		}
-		s.seen[f] = seen{woken: true, sig: sig, errText: errText}
-		return true
-	})
+		return
+	}
+	entries := make(map[string][]byte, len(own))
+	for _, p := range own {
+		entries[strings.TrimPrefix(p.Key, st.prefix)] = p.Value
+	}
+	st.pub.Publish(source.Snapshot{Revision: strconv.FormatUint(l.index, 10), Missing: len(own) == 0, Entries: entries})
+	st.published, st.sig, st.errText = true, sig, ""
 }
 
 // watch runs the groups' queries until ctx is done, and runs them anew,
@@ -310,47 +338,12 @@ func signatureOf(pairs api.KVPairs) signature {
 	return sig
 }
 
-// Follow follows prefix through the source's shared query until ctx is
-// done; see source.Source and the package documentation. Each snapshot is
-// the prefix's part of one response, consistent at its index; a prefix
-// without keys is missing.
+// Follow follows prefix through the source's shared queries until ctx is
+// done; see source.Source and the package documentation. Its snapshots
+// are published by the query of its group.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
-	f := s.join(prefix)
+	f := s.join(prefix, pub)
 	defer s.leave(f)
-	var lastSig signature
-	var lastErr error
-	published := false
-	for {
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-f.Wake:
-		}
-		s.mu.Lock()
-		l := s.listingFor(prefix)
-		s.mu.Unlock()
-		if l == nil {
-			continue // a query covering this prefix is on its way
-		}
-		if l.err != nil {
-			if lastErr == nil || lastErr.Error() != l.err.Error() {
-				pub.Status(l.err)
-				lastErr = l.err
-			}
-			continue
-		}
-		own := rangeOf(l.pairs, prefix)
-		sig := signatureOf(own)
-		if published && sig == lastSig {
-			pub.Status(nil) // reachable, nothing new for this prefix
-			lastErr = nil
-			continue
-		}
-		entries := make(map[string][]byte, len(own))
-		for _, p := range own {
-			entries[strings.TrimPrefix(p.Key, prefix)] = p.Value
-		}
-		pub.Publish(source.Snapshot{Revision: strconv.FormatUint(l.index, 10), Missing: len(own) == 0, Entries: entries})
-		published, lastSig, lastErr = true, sig, nil
-	}
+	<-ctx.Done()
+	return ctx.Err()
 }
