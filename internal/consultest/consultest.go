@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -69,18 +70,30 @@ type Agent struct {
 // Start starts an agent and waits until it is leader; it is stopped when
 // the test ends, and its logs are shown if the test failed. args are added
 // to the agent's command line, such as "-hcl" and a configuration snippet.
+//
+// A port found free can be taken by another process (another test binary)
+// before the agent binds it; Start then tries other ports, up to five
+// times.
 func Start(tb testing.TB, args ...string) *Agent {
 	tb.Helper()
-	a := &Agent{bin: Binary(tb), args: args}
-	for i := range a.ports {
-		port, err := freePort()
-		if err != nil {
+	bin := Binary(tb)
+	var a *Agent
+	for attempt := 1; ; attempt++ {
+		a = &Agent{bin: bin, args: args}
+		for i := range a.ports {
+			port, err := freePort()
+			if err != nil {
+				tb.Fatal(err)
+			}
+			a.ports[i] = port
+		}
+		err := a.Restart()
+		if err == nil {
+			break
+		}
+		if attempt == 5 || !strings.Contains(a.Logs(), "address already in use") {
 			tb.Fatal(err)
 		}
-		a.ports[i] = port
-	}
-	if err := a.Restart(); err != nil {
-		tb.Fatal(err)
 	}
 	tb.Cleanup(func() {
 		a.Stop()

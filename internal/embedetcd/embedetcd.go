@@ -9,6 +9,8 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"strings"
+	"syscall"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -36,22 +38,37 @@ type Server struct {
 	etcd      *embed.Etcd
 }
 
+// startAttempts is how many pairs of free ports Start tries.
+const startAttempts = 5
+
 // Start starts a member with its data in dir (created if needed) on free
-// loopback ports, and waits until it serves.
+// loopback ports, and waits until it serves. A port found free can be
+// taken by another process (another test binary) before etcd binds it;
+// Start then tries other ports, up to startAttempts times.
 func Start(dir string, opts Options) (*Server, error) {
-	client, err := freeURL()
-	if err != nil {
-		return nil, err
+	_, statErr := os.Stat(dir)
+	fresh := errors.Is(statErr, os.ErrNotExist)
+	var err error
+	for range startAttempts {
+		var client, peer url.URL
+		if client, err = pickURL(); err != nil {
+			return nil, err
+		}
+		if peer, err = pickURL(); err != nil {
+			return nil, err
+		}
+		s := &Server{dir: dir, clientURL: client, peerURL: peer, opts: opts}
+		if err = s.Restart(); err == nil {
+			return s, nil
+		}
+		if !errors.Is(err, syscall.EADDRINUSE) && !strings.Contains(err.Error(), "address already in use") {
+			return nil, err
+		}
+		if fresh {
+			_ = os.RemoveAll(dir) // what the failed start left, naming the old ports
+		}
 	}
-	peer, err := freeURL()
-	if err != nil {
-		return nil, err
-	}
-	s := &Server{dir: dir, clientURL: client, peerURL: peer, opts: opts}
-	if err := s.Restart(); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return nil, err
 }
 
 // Endpoint returns the client URL, such as "http://127.0.0.1:41234".
@@ -119,6 +136,9 @@ func (s *Server) Client() (*clientv3.Client, error) {
 		Logger:      zap.NewNop(),
 	})
 }
+
+// pickURL is freeURL; a test replaces it to hand out a port in use.
+var pickURL = freeURL
 
 // freeURL returns an http URL on a loopback port that was free a moment ago.
 func freeURL() (url.URL, error) {
