@@ -1,7 +1,8 @@
 // Package consul is the Consul KV source kind. In watch mode it follows
-// every prefix of a source with one blocking query (GET
-// /v1/kv/PARENT?recurse&index=N on the prefixes' longest common prefix),
-// however many prefixes and keys there are, and applies Consul's rules for
+// every prefix of a source with at most four blocking queries (GET
+// /v1/kv/PARENT?recurse&index=N, each on the longest prefix common to a
+// group of them), however many prefixes and keys there are, and applies
+// Consul's rules for
 // blocking queries (api-docs/features/blocking): the index is reset when it
 // goes backwards, never sent below 1, a return without change is no change,
 // and such returns are rate-limited with a token bucket so a misbehaving
@@ -127,10 +128,10 @@ type Source struct {
 	fanout *source.Fanout
 
 	mu        sync.Mutex
-	groups    []string            // the prefixes the running queries read
-	lists     map[string]*listing // the latest listing of each group
-	followers map[*source.Follower]*follower
-	regroup   context.CancelFunc // stops the running queries to group anew
+	groups    []string               // the prefixes the running queries read
+	lists     map[string]*listing    // the latest listing of each group
+	followers map[*follower]struct{} // every Follow's state
+	regroup   context.CancelFunc     // stops the running queries to group anew
 }
 
 var _ source.Source = (*Source)(nil)
@@ -166,7 +167,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, followers: map[*source.Follower]*follower{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, followers: map[*follower]struct{}{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }

@@ -1,6 +1,7 @@
 package consul
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -111,7 +112,7 @@ func TestMisbehavingServerCannotMakeItSpin(t *testing.T) {
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":7}]`)
 	}))
-	defer srv.Close()
+	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
 	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "m/")
 	rec.WaitFor(t, "snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	time.Sleep(time.Second) // the span over which queries are counted
@@ -142,7 +143,7 @@ func TestFailedQueryResetsTheIndex(t *testing.T) {
 			<-r.Context().Done() // a real blocking query
 		}
 	}))
-	defer srv.Close()
+	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
 	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "m/")
 	rec.WaitFor(t, "snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
 	rec.WaitFor(t, "the failure", sourcetest.Failing)
@@ -214,7 +215,7 @@ func TestTokenIsSentAndNeverPrinted(t *testing.T) {
 		w.Header().Set("X-Consul-Index", "3")
 		w.WriteHeader(http.StatusNotFound)
 	}))
-	defer srv.Close()
+	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
 	tokenFile := t.TempDir() + "/token"
 	if err := writeFile(tokenFile, "s3cr3t-token\n"); err != nil {
 		t.Fatal(err)
@@ -244,7 +245,7 @@ func TestEnvironmentIsIgnored(t *testing.T) {
 		w.Header().Set("X-Consul-Index", "3")
 		w.WriteHeader(http.StatusNotFound)
 	}))
-	defer srv.Close()
+	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
 	envToken := t.TempDir() + "/env-token"
 	if err := writeFile(envToken, "from-env-file\n"); err != nil {
 		t.Fatal(err)
@@ -350,18 +351,36 @@ func TestPrefixesWithNothingInCommon(t *testing.T) {
 	a, b := sourcetest.Follow(t, src, "a/"), sourcetest.Follow(t, src, "b/")
 	a.WaitFor(t, "a", sourcetest.Holds(map[string]string{"x": "1"}))
 	b.WaitFor(t, "b", sourcetest.Holds(map[string]string{"y": "2"}))
-	src.mu.Lock()
-	groups := slices.Clone(src.groups)
-	src.mu.Unlock()
-	if !slices.Equal(groups, []string{"a/", "b/"}) {
-		t.Errorf("queries read %q; want [a/ b/]", groups)
-	}
+	waitGroups(t, src, "a/", "b/")
 	consultest.Txn(t, client, "b/y", "two", "a/x", consultest.Delete)
 	b.WaitFor(t, "b updated", sourcetest.Holds(map[string]string{"y": "two"}))
 	a.WaitFor(t, "a emptied", sourcetest.Missing)
-	// A prefix added later widens nothing here but is served at once.
-	c := sourcetest.Follow(t, src, "c/")
+	// A prefix added later gets a query of its own and is served at once;
+	// when it is no longer followed, its query goes.
+	ctx, cancel := context.WithCancel(context.Background())
+	c := sourcetest.NewRecorder()
+	done := make(chan error, 1)
+	go func() { done <- src.Follow(ctx, "c/", c) }()
 	c.WaitFor(t, "c", sourcetest.Holds(map[string]string{"z": "3"}))
+	waitGroups(t, src, "a/", "b/", "c/")
+	cancel()
+	<-done
+	waitGroups(t, src, "a/", "b/")
+}
+
+// waitGroups waits until the source's queries read want.
+func waitGroups(t *testing.T, src *Source, want ...string) {
+	t.Helper()
+	var groups []string
+	for deadline := time.Now().Add(sourcetest.Timeout); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		src.mu.Lock()
+		groups = slices.Clone(src.groups)
+		src.mu.Unlock()
+		if slices.Equal(groups, want) {
+			return
+		}
+	}
+	t.Fatalf("queries read %q; want %q", groups, want)
 }
 
 // TestPartition: which prefixes the queries read for a set of followed

@@ -44,6 +44,7 @@ const maxQueries = 4
 type follower struct {
 	prefix    string
 	pub       source.Publisher
+	fl        *source.Follower // its registration with the fanout
 	published bool
 	sig       signature
 	errText   string // the error last reported; "" when healthy
@@ -58,30 +59,50 @@ type listing struct {
 	err    error
 }
 
-// join registers a follower of prefix with the shared watcher (the first
-// starts it), hands it what its group's query already knows, and regroups
-// the queries when none covers prefix.
-func (s *Source) join(prefix string, pub source.Publisher) *source.Follower {
-	f := s.fanout.Join(prefix)
+// join registers a follower of prefix and then joins the shared watcher
+// (the first starts it): registered first, it is handed the very first
+// listing. It is also handed what its group's query already knows, and
+// the queries are grouped anew when none covers prefix.
+func (s *Source) join(prefix string, pub source.Publisher) *follower {
+	st := &follower{prefix: prefix, pub: pub}
+	s.mu.Lock()
+	s.followers[st] = struct{}{}
+	s.mu.Unlock()
+	st.fl = s.fanout.Join(prefix)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := &follower{prefix: prefix, pub: pub}
-	s.followers[f] = st
 	if l := s.listingFor(prefix); l != nil {
 		s.deliver(st, l)
 	}
 	if _, ok := coveringGroup(s.groups, prefix); !ok && s.regroup != nil {
 		s.regroup()
 	}
-	return f
+	return st
 }
 
-// leave unregisters f; the last one stops the watcher.
-func (s *Source) leave(f *source.Follower) {
+// leave unregisters st; the last one stops the watcher. A group that loses
+// its last follower is dropped: the queries are grouped anew.
+func (s *Source) leave(st *follower) {
 	s.mu.Lock()
-	delete(s.followers, f)
+	delete(s.followers, st)
 	s.mu.Unlock()
-	s.fanout.Leave(f)
+	s.fanout.Leave(st.fl) // before grouping anew, which reads the fanout's prefixes
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if g, ok := coveringGroup(s.groups, st.prefix); ok && s.regroup != nil && !s.groupFollowed(g) {
+		s.regroup()
+	}
+}
+
+// groupFollowed reports whether a follower's prefix lies in group g.
+// Callers hold s.mu.
+func (s *Source) groupFollowed(g string) bool {
+	for st := range s.followers {
+		if strings.HasPrefix(st.prefix, g) {
+			return true
+		}
+	}
+	return false
 }
 
 // coveringGroup returns the prefix in groups that prefix starts with, if
@@ -193,7 +214,7 @@ func (s *Source) set(l *listing) {
 		}
 	}
 	s.lists[l.parent] = l
-	for _, st := range s.followers {
+	for st := range s.followers {
 		if g, ok := coveringGroup(s.groups, st.prefix); ok && g == l.parent {
 			s.deliver(st, l)
 		}
@@ -342,8 +363,8 @@ func signatureOf(pairs api.KVPairs) signature {
 // done; see source.Source and the package documentation. Its snapshots
 // are published by the query of its group.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
-	f := s.join(prefix, pub)
-	defer s.leave(f)
+	st := s.join(prefix, pub)
+	defer s.leave(st)
 	<-ctx.Done()
 	return ctx.Err()
 }
