@@ -233,8 +233,13 @@ func TestCheckCommandTimeout(t *testing.T) {
 	}
 }
 
+// TestSizeLimits: a value over max_value_size or a payload over
+// max_mount_size keeps the mount's content, is logged, and is counted as a
+// guard rejection in /metrics.
 func TestSizeLimits(t *testing.T) {
 	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
 	h.put("/sz/a", "small", "/ms/a", "12345", "/ms/b", "12345")
 	h.writeConfig(h.mount("sz", "/sz/", `max_value_size = "8B"`) + h.mount("ms", "/ms/", `max_mount_size = "12B"`))
 	h.start()
@@ -248,6 +253,18 @@ func TestSizeLimits(t *testing.T) {
 	}
 	if got, _ := content(h.path("mnt", "ms")); len(got) != 2 {
 		t.Errorf("a payload over max_mount_size replaced the content: %v", got)
+	}
+	// The pass that logged the error reports the mount's state right after.
+	for _, want := range []string{`kvmount_guard_rejections_total{guard="max_value_size",mount="sz"} 1`, `kvmount_guard_rejections_total{guard="max_mount_size",mount="ms"} 1`, `kvmount_mount_projected{mount="sz"} 0`} {
+		for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+			_, metrics := unixGet(t, socket, "/metrics")
+			if strings.Contains(metrics, want) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("/metrics lacks %s:\n%s", want, metrics)
+			}
+		}
 	}
 	h.put("/sz/a", "fits", "/ms/c", etcdtest.Delete)
 	h.waitContent(h.path("mnt", "sz"), map[string]string{"a": "fits"})

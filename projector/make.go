@@ -88,6 +88,15 @@ type origin struct {
 	key        string // full key
 }
 
+// ErrValueTooLarge is wrapped by the error of a value, or a template's
+// output, over Options.MaxValueSize (the mount's max_value_size);
+// ErrMountTooLarge by that of a payload over Options.MaxSize (its
+// max_mount_size). Their texts are the settings' names.
+var (
+	ErrValueTooLarge = errors.New("max_value_size")
+	ErrMountTooLarge = errors.New("max_mount_size")
+)
+
 // MakePayload builds the payload of mount from its projections with the
 // kubelet's MakePayload rules: a projection without items contributes every
 // key, the key minus the prefix being the path; with items only those keys,
@@ -133,7 +142,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			}
 			owner[clean] = origin{projection: i, key: pr.Prefix + key}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
-				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds max_value_size (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), opts.MaxValueSize)
+				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds %w (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), ErrValueTooLarge, opts.MaxValueSize)
 			}
 			if mode == 0 {
 				mode = opts.Mode
@@ -181,7 +190,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	}
 	if opts.MaxSize > 0 {
 		if size := payload.Size(); size > opts.MaxSize {
-			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes exceeds max_mount_size (%d bytes); the largest file is %q", mount, size, opts.MaxSize, largest(payload))
+			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes exceeds %w (%d bytes); the largest file is %q", mount, size, ErrMountTooLarge, opts.MaxSize, largest(payload))
 		}
 	}
 	return payload, rejected, nil

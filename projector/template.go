@@ -188,7 +188,7 @@ func (t *Template) Render(keys map[string][]byte, maxSize int64) ([]byte, map[st
 		return nil, nil, fmt.Errorf("%w %s: render still running after %v (a runaway range?)", ErrTemplate, t.Origin, RenderTimeout)
 	}
 	if errors.Is(err, errTooLong) {
-		return nil, nil, fmt.Errorf("%w %s: output exceeds max_value_size (%d bytes)", ErrTemplate, t.Origin, maxSize)
+		return nil, nil, fmt.Errorf("%w %s: output exceeds %w (%d bytes)", ErrTemplate, t.Origin, ErrValueTooLarge, maxSize)
 	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w %s: %w", ErrTemplate, t.Origin, err)

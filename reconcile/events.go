@@ -58,7 +58,9 @@ type FailedEvent struct {
 // content; the next payload is tried.
 type HeldBackEvent struct {
 	Mount string
-	// Guard is "min_keys" or "allow_empty".
+	// Guard is "min_keys" or "allow_empty" (the reconciler held back a
+	// built payload), or "max_value_size" or "max_mount_size" (the
+	// populator could not build it).
 	Guard, Reason, Revision string
 	Time                    time.Time
 }

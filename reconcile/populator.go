@@ -1,6 +1,7 @@
 package reconcile
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -280,6 +281,7 @@ func (p *Populator) populate(pm *populated) {
 		})
 		if err != nil {
 			d.Err = err
+			p.reportTooLarge(m.Name, d, err)
 		} else {
 			d.Payload = payload
 		}
@@ -302,6 +304,22 @@ func (p *Populator) freeze(pm *populated) {
 	pm.frozen, pm.stale = true, false
 	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}
 	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
+}
+
+// reportTooLarge tells the observer of a payload that max_value_size or
+// max_mount_size kept from replacing the mount's content (HeldBackEvent);
+// the log line comes from reportState.
+func (p *Populator) reportTooLarge(mount string, d *DesiredMount, err error) {
+	guard := ""
+	switch {
+	case errors.Is(err, projector.ErrValueTooLarge):
+		guard = "max_value_size"
+	case errors.Is(err, projector.ErrMountTooLarge):
+		guard = "max_mount_size"
+	default:
+		return
+	}
+	p.observer.Observe(HeldBackEvent{Mount: mount, Guard: guard, Reason: err.Error(), Revision: d.Revision, Time: d.ChangedAt})
 }
 
 // reportRejected logs each rejected key once, while it stays rejected.

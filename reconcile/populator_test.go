@@ -225,3 +225,43 @@ func TestPopulatorSetMounts(t *testing.T) {
 		t.Errorf("Close released %v", log)
 	}
 }
+
+// recordObserver keeps the events it is told of.
+type recordObserver struct{ events []Event }
+
+func (r *recordObserver) Observe(ev Event) { r.events = append(r.events, ev) }
+
+// TestPopulatorReportsSizeLimits: a payload over max_value_size or
+// max_mount_size is a HeldBackEvent naming the limit, once per payload
+// built; other payload errors are not.
+func TestPopulatorReportsSizeLimits(t *testing.T) {
+	cache := newFakeCache()
+	p := NewPopulatorFor(cache, discard)
+	rec := &recordObserver{}
+	p.observer = rec
+	if err := p.SetMounts([]*config.Mount{
+		testMount("value", "/v/", func(m *config.Mount) { m.MaxValueSize = 4 }),
+		testMount("mount", "/m/", func(m *config.Mount) { m.MaxMountSize = 4 }),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	cache.feed("main", "/v/").publish("1", map[string]string{"a": "12345"})
+	cache.feed("main", "/m/").publish("1", map[string]string{"a": "123", "b": "45"})
+	p.Populate()
+	p.Populate()                                // nothing new: no second event
+	cache.feed("main", "/v/").publish("2", nil) // a missing prefix is no size limit
+	p.Populate()
+	var got []string
+	for _, ev := range rec.events {
+		if hb, ok := ev.(HeldBackEvent); ok {
+			got = append(got, hb.Mount+" "+hb.Guard)
+			if !strings.Contains(hb.Reason, "exceeds "+hb.Guard) {
+				t.Errorf("reason %q does not name %s", hb.Reason, hb.Guard)
+			}
+		}
+	}
+	slices.Sort(got)
+	if want := []string{"mount max_mount_size", "value max_value_size"}; !slices.Equal(got, want) {
+		t.Errorf("held back: %q; want %q", got, want)
+	}
+}
