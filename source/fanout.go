@@ -6,9 +6,9 @@ import (
 )
 
 // Fanout runs one loop for every Follow of a source that shares it — the
-// HTTP source's poller, the Consul source's blocking query — so that a
-// source holds one request in flight however many prefixes its mounts
-// follow. The first Join starts the loop, the last Leave stops it and waits
+// HTTP source's poller, the Consul source's blocking queries (at most
+// four) — so that the requests a source holds in flight do not grow with
+// the prefixes its mounts follow. The first Join starts the loop, the last Leave stops it and waits
 // for it, and Wake tells followers that the loop has news. A Fanout is safe
 // for concurrent use.
 type Fanout struct {

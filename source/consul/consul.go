@@ -2,12 +2,11 @@
 // every prefix of a source with at most four blocking queries (GET
 // /v1/kv/PARENT?recurse&index=N, each on the longest prefix common to a
 // group of them), however many prefixes and keys there are, and applies
-// Consul's rules for
-// blocking queries (api-docs/features/blocking): the index is reset when it
-// goes backwards, never sent below 1, a return without change is no change,
-// and such returns are rate-limited with a token bucket so a misbehaving
-// server cannot make kvmount spin. In poll mode it reads the prefix every
-// poll_interval.
+// Consul's rules for blocking queries (api-docs/features/blocking): the
+// index is reset when it goes backwards, never sent below 1, a return
+// without change is no change, and such returns are rate-limited with a
+// token bucket so a misbehaving server cannot make kvmount spin. In poll
+// mode it reads the prefix every poll_interval.
 package consul
 
 import (
@@ -124,7 +123,8 @@ type Source struct {
 	client    *api.Client
 	transport *http.Transport
 
-	// fanout runs the one watcher every Follow shares.
+	// fanout runs the watcher every Follow shares: it starts with the
+	// first Follow and stops after the last.
 	fanout *source.Fanout
 
 	mu        sync.Mutex
