@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/url"
 	"sync"
@@ -149,6 +150,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		KeyFile:  cfg.TLS.KeyFile,
 	}
 	transport := api.DefaultConfig().Transport
+	transport.DisableCompression = loopback(u.Hostname())
 	// kvmount's own TLS settings, not the CONSUL_* environment's.
 	httpClient, err := api.NewHttpClient(transport, tlsConfig)
 	if err != nil {
@@ -170,6 +172,23 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, followers: map[*follower]struct{}{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
+}
+
+// loopback reports whether host is "localhost" or a loopback address
+// (127.0.0.0/8, ::1): the usual place of a Consul agent, one on every node.
+//
+// Responses from such an agent are read uncompressed. Go's transport asks
+// for gzip by default and the agent compresses a large listing: 1,000 keys
+// (168 KB of JSON) took 4–7.5 ms to the last byte gzipped and 1.9–4 ms
+// plain on this project's test machine, and a change re-reads its whole
+// group. Over a network the 25-fold smaller body is worth the CPU, so a
+// remote agent's responses stay compressed.
+func loopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // configOnly makes every request to Consul carry only what kvmount's

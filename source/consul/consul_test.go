@@ -264,6 +264,45 @@ func TestEnvironmentIsIgnored(t *testing.T) {
 	}
 }
 
+// TestCompressionOnlyOverANetwork: a loopback agent's responses are read
+// uncompressed (kvmount does not ask for gzip), a remote agent's stay
+// compressed.
+func TestCompressionOnlyOverANetwork(t *testing.T) {
+	var got atomic.Value
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got.Store(r.Header.Get("Accept-Encoding"))
+		w.Header().Set("X-Consul-Index", "3")
+		w.WriteHeader(http.StatusNotFound)
+	}))
+	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
+	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "x/")
+	rec.WaitFor(t, "missing prefix", sourcetest.Missing)
+	if ae := got.Load().(string); strings.Contains(ae, "gzip") {
+		t.Errorf("Accept-Encoding = %q to an agent on %s; want no gzip", ae, srv.URL)
+	}
+	for _, tt := range []struct {
+		address  string
+		compress bool
+	}{
+		{"http://127.0.0.1:8500", false},
+		{"http://127.3.2.1:8500", false},
+		{"http://localhost:8500", false},
+		{"http://[::1]:8500", false},
+		{"https://consul.example:8501", true},
+		{"http://10.0.0.7:8500", true},
+	} {
+		cfg := watchConfig("")
+		cfg.Address = tt.address
+		src, err := New("main", cfg, sourcetest.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if compress := !src.transport.DisableCompression; compress != tt.compress {
+			t.Errorf("%s: compressed responses = %v; want %v", tt.address, compress, tt.compress)
+		}
+	}
+}
+
 func writeFile(name, data string) error { return os.WriteFile(name, []byte(data), 0o600) }
 
 // agentConnections counts this process's established TCP connections to
