@@ -13,6 +13,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"iter"
 	"log/slog"
 	"net"
 	"net/http"
@@ -139,9 +140,7 @@ func (s *Server) Observe(ev reconcile.Event) {
 	switch ev := ev.(type) {
 	case reconcile.PassEvent:
 		s.passes++
-		seen := map[string]bool{}
 		for _, st := range ev.Mounts {
-			seen[st.Name] = true
 			m := s.mount(st.Name)
 			m.Dir, m.Medium, m.Optional = st.Dir, st.Medium, st.Optional
 			prev := m.State
@@ -153,10 +152,8 @@ func (s *Server) Observe(ev reconcile.Event) {
 				m.StaleSince = nil
 			}
 		}
-		for name := range s.mounts {
-			if !seen[name] {
-				delete(s.mounts, name)
-			}
+		for name := range removed(s.mounts, ev.Mounts) {
+			delete(s.mounts, name)
 		}
 	case reconcile.ProjectedEvent:
 		m := s.mount(ev.Mount)
@@ -205,6 +202,27 @@ func (s *Server) mount(name string) *MountStatus {
 		s.mounts[name] = m
 	}
 	return m
+}
+
+// removed yields the names in known that are not in mounts, given that
+// every name in mounts is in known (and each once): none, without a look
+// at either, when both have as many. A pass reports every mount, and the
+// mounts rarely change.
+func removed[V any](known map[string]V, mounts []reconcile.MountStatus) iter.Seq[string] {
+	return func(yield func(string) bool) {
+		if len(known) == len(mounts) {
+			return
+		}
+		seen := make(map[string]bool, len(mounts))
+		for _, st := range mounts {
+			seen[st.Name] = true
+		}
+		for name := range known {
+			if !seen[name] && !yield(name) {
+				return
+			}
+		}
+	}
 }
 
 // mountState derives a mount's state and error from its pass status.

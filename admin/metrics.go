@@ -25,8 +25,10 @@ type metrics struct {
 	notifyDuration *prometheus.HistogramVec
 	sourceUp       *prometheus.GaugeVec
 	sourceErrors   *prometheus.CounterVec
-	// known are the mounts with series, to delete those of removed mounts.
-	known map[string]bool
+	// known are the mounts with series, to delete those of removed mounts,
+	// each with the value of its kvmount_mount_projected, set again only
+	// when it changes.
+	known map[string]float64
 }
 
 func newMetrics(reg prometheus.Registerer, version string) *metrics {
@@ -65,7 +67,7 @@ func newMetrics(reg prometheus.Registerer, version string) *metrics {
 			Help: "1 while the source can be read, else 0."}, []string{"source"}),
 		sourceErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_source_errors_total",
 			Help: "Times the source became unreadable."}, []string{"source"}),
-		known: map[string]bool{},
+		known: map[string]float64{},
 	}
 	for _, c := range []prometheus.Collector{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes, m.projections,
 		m.duration, m.guards, m.notifications, m.notifyDuration, m.sourceUp, m.sourceErrors} {
@@ -78,20 +80,18 @@ func newMetrics(reg prometheus.Registerer, version string) *metrics {
 func (m *metrics) observe(ev reconcile.Event) {
 	switch ev := ev.(type) {
 	case reconcile.PassEvent:
-		seen := map[string]bool{}
 		for _, st := range ev.Mounts {
-			seen[st.Name] = true
-			m.known[st.Name] = true
 			v := 0.0
 			if st.Projected {
 				v = 1
 			}
-			m.projected.WithLabelValues(st.Name).Set(v)
-		}
-		for name := range m.known {
-			if !seen[name] {
-				m.forget(name)
+			if last, ok := m.known[st.Name]; !ok || last != v {
+				m.known[st.Name] = v
+				m.projected.WithLabelValues(st.Name).Set(v)
 			}
+		}
+		for name := range removed(m.known, ev.Mounts) {
+			m.forget(name)
 		}
 	case reconcile.ProjectedEvent:
 		t := float64(ev.Time.UnixNano()) / 1e9

@@ -86,37 +86,57 @@ func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry ti
 	for name := range dsw {
 		names = append(names, name)
 	}
+	slices.Sort(names)
+	return planSorted(withTeardowns(names, dsw, asw), dsw, asw, now)
+}
+
+// withTeardowns returns sorted, the sorted names of dsw, merged with the
+// names of the actual mounts that are not desired; sorted itself when there
+// are none.
+func withTeardowns(sorted []string, dsw DesiredState, asw *ActualState) []string {
+	var extra []string
 	for name := range asw.Mounts {
 		if _, ok := dsw[name]; !ok {
-			names = append(names, name)
+			extra = append(extra, name)
 		}
 	}
-	slices.Sort(names)
+	if len(extra) == 0 {
+		return sorted
+	}
+	return slices.Sorted(slices.Values(append(slices.Clone(sorted), extra...)))
+}
+
+// planSorted is Plan over names: every desired and actual mount's name,
+// sorted.
+func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
 	for _, name := range names {
 		if asw.InFlight[name] {
 			continue
 		}
-		if a := asw.Mounts[name]; a != nil && now.Before(a.CollectAt) && (retry.IsZero() || a.CollectAt.Before(retry)) {
+		d, a := dsw[name], asw.Mounts[name]
+		if a != nil && now.Before(a.CollectAt) && (retry.IsZero() || a.CollectAt.Before(retry)) {
 			retry = a.CollectAt
 		}
-		op, ok := planMount(name, dsw[name], asw.Mounts[name], now)
-		if !ok || op.Kind == Setup && dirTaken(name, dsw[name].Spec.Dir, asw) {
+		op, ok := planMount(name, d, a, now)
+		if !ok {
 			continue
 		}
-		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == dsw[name].Generation {
-			if a := asw.Mounts[name]; a != nil && a.VerifyDue {
+		if op.Kind == Setup && dirTaken(name, d.Spec.Dir, asw) {
+			continue
+		}
+		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == d.Generation {
+			if a != nil && a.VerifyDue {
 				ops = append(ops, Op{Kind: Verify, Mount: name})
 			}
 			continue
 		}
-		if due := quiescentAt(dsw[name], asw.Mounts[name]); op.Kind == Remount && now.Before(due) {
+		if due := quiescentAt(d, a); op.Kind == Remount && now.Before(due) {
 			if retry.IsZero() || due.Before(retry) {
 				retry = due
 			}
 			continue
 		}
 		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
-			d := dsw[name]
 			if d == nil || d.Generation == f.Generation {
 				if retry.IsZero() || f.NextRetry.Before(retry) {
 					retry = f.NextRetry

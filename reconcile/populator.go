@@ -64,6 +64,9 @@ type Populator struct {
 	observer Observer
 	// sources is the last health and revision reported per source.
 	sources map[string]sourceState
+	// dsw is the desired state Populate returns, updated in place; nil
+	// when SetMounts changed the mounts, to be built anew.
+	dsw DesiredState
 }
 
 // sourceState is what was last reported of a source.
@@ -146,6 +149,7 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 		}
 	}
 	p.mounts = next
+	p.dsw = nil
 	return nil
 }
 
@@ -163,17 +167,27 @@ func (p *Populator) Close() {
 // Populate returns the desired state of world, rebuilding the payload of
 // every mount whose feeds published a new snapshot since the last call.
 // A mount whose feeds only changed health keeps its payload and generation.
+// The map returned is the populator's own and is updated in place by the
+// next call: read it before.
 //
 // It also tells the observer of each source whose health or newest
 // revision changed (SourceEvent), as seen by the feeds in use.
 func (p *Populator) Populate() DesiredState {
-	dsw := make(DesiredState, len(p.mounts))
-	for name, pm := range p.mounts {
-		p.populate(pm)
-		dsw[name] = pm.desired
+	fresh := p.dsw == nil
+	if fresh {
+		p.dsw = make(DesiredState, len(p.mounts))
 	}
-	p.reportSources()
-	return dsw
+	changed := fresh
+	for name, pm := range p.mounts {
+		if p.populate(pm) || fresh {
+			p.dsw[name] = pm.desired
+			changed = true
+		}
+	}
+	if changed {
+		p.reportSources()
+	}
+	return p.dsw
 }
 
 // reportSources sends a SourceEvent for every source whose health or
@@ -217,9 +231,11 @@ func newerRevision(a, b string) bool {
 	return a > b && strings.Trim(a, "0123456789") == ""
 }
 
-func (p *Populator) populate(pm *populated) {
+// populate brings pm's desired mount up to date with its feeds and reports
+// whether any feed changed since the last call (pm.desired is then new).
+func (p *Populator) populate(pm *populated) bool {
 	if pm.frozen {
-		return
+		return false
 	}
 	states := make([]source.FeedState, len(pm.feeds))
 	changed, rebuild := pm.desired == nil, pm.desired == nil
@@ -233,7 +249,7 @@ func (p *Populator) populate(pm *populated) {
 		}
 	}
 	if !changed {
-		return
+		return false
 	}
 	m := pm.spec
 	d := &DesiredMount{Spec: m}
@@ -292,6 +308,7 @@ func (p *Populator) populate(pm *populated) {
 	if m.Immutable && d.Ready() {
 		p.freeze(pm)
 	}
+	return true
 }
 
 // freeze stops following an immutable mount's sources once its payload is

@@ -83,8 +83,9 @@ type Reconciler struct {
 	results  chan result
 	reloads  chan reloadRequest
 	pings    chan chan struct{}
-	// names are the desired mounts' names, sorted: the order of the
-	// status a pass reports, sorted again only when the mounts change.
+	// names are the desired mounts' names, sorted: the order in which a
+	// pass plans and reports them, sorted again only when the mounts
+	// change.
 	names []string
 }
 
@@ -181,14 +182,7 @@ func (r *Reconciler) Run(ctx context.Context) error {
 	defer resync.Stop()
 	defer r.shutdown()
 	for {
-		dsw := r.pop.Populate()
-		now := time.Now()
-		r.markPending(dsw, now)
-		ops, retryAt := Plan(dsw, r.asw, now)
-		for _, op := range ops {
-			r.dispatch(op, dsw[op.Mount])
-		}
-		r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
+		retryAt := r.pass(time.Now())
 		var retry <-chan time.Time
 		if !retryAt.IsZero() {
 			retry = time.After(time.Until(retryAt))
@@ -223,6 +217,23 @@ func (r *Reconciler) Run(ctx context.Context) error {
 			req.done <- err
 		}
 	}
+}
+
+// pass is one turn of the loop at time now: it builds the desired state,
+// plans, starts the operations and reports every mount's status. It returns
+// when the next pass is due without a wake-up (zero: not before one).
+func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
+	dsw := r.pop.Populate()
+	r.markPending(dsw, now)
+	if !sameNames(r.names, dsw) {
+		r.names = slices.Sorted(maps.Keys(dsw))
+	}
+	ops, retryAt := planSorted(withTeardowns(r.names, dsw, r.asw), dsw, r.asw, now)
+	for _, op := range ops {
+		r.dispatch(op, dsw[op.Mount])
+	}
+	r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
+	return retryAt
 }
 
 // applyPending applies the operation results that are waiting, without
@@ -388,10 +399,8 @@ func guardOf(err error) string {
 }
 
 // status returns every desired mount's status, sorted by name.
+// r.names holds dsw's names, sorted (see pass).
 func (r *Reconciler) status(dsw DesiredState) []MountStatus {
-	if !sameNames(r.names, dsw) {
-		r.names = slices.Sorted(maps.Keys(dsw))
-	}
 	out := make([]MountStatus, 0, len(dsw))
 	for _, name := range r.names {
 		d := dsw[name]
