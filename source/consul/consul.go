@@ -131,7 +131,7 @@ type Source struct {
 	mu        sync.Mutex
 	groups    []string               // the prefixes the running queries read
 	lists     map[string]*listing    // the latest listing of each group
-	followers map[*follower]struct{} // every Follow's state
+	followers []*follower          // every Follow's state, sorted by prefix
 	regroup   context.CancelFunc     // stops the running queries to group anew
 }
 
@@ -169,7 +169,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, followers: map[*follower]struct{}{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }

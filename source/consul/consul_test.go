@@ -407,6 +407,45 @@ func TestPrefixesWithNothingInCommon(t *testing.T) {
 	waitGroups(t, src, "a/", "b/")
 }
 
+// TestNestedPrefixes: prefixes inside one another, and one that is a
+// prefix of another only as a string ("app/db/" and "app/dbx/"), each get
+// exactly their keys from their group's response, and one that did not
+// change publishes nothing.
+func TestNestedPrefixes(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	consultest.Txn(t, client, "app/a", "1", "app/db/x", "2", "app/dbx/y", "3", "app/web/z", "4", "apps/q", "5")
+	src, err := New("main", watchConfig(agent.Addr()), sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	want := map[string]map[string]string{
+		"app/":     {"a": "1", "db/x": "2", "dbx/y": "3", "web/z": "4"},
+		"app/db/":  {"x": "2"},
+		"app/dbx/": {"y": "3"},
+		"app/web/": {"z": "4"},
+		"apps/":    {"q": "5"},
+	}
+	recs := map[string]*sourcetest.Recorder{}
+	for _, prefix := range []string{"app/web/", "apps/", "app/", "app/dbx/", "app/db/"} {
+		recs[prefix] = sourcetest.Follow(t, src, prefix)
+	}
+	for prefix, rec := range recs {
+		rec.WaitFor(t, prefix, sourcetest.Holds(want[prefix]))
+	}
+	waitGroups(t, src, "app/", "apps/")
+	consultest.Txn(t, client, "app/db/x", "two", "app/web/z", consultest.Delete)
+	recs["app/"].WaitFor(t, "app/ updated", sourcetest.Holds(map[string]string{"a": "1", "db/x": "two", "dbx/y": "3"}))
+	recs["app/db/"].WaitFor(t, "app/db/ updated", sourcetest.Holds(map[string]string{"x": "two"}))
+	recs["app/web/"].WaitFor(t, "app/web/ emptied", sourcetest.Missing)
+	for _, prefix := range []string{"app/dbx/", "apps/"} {
+		if snaps, _ := recs[prefix].State(); len(snaps) != 1 {
+			t.Errorf("%s: %d snapshots; want 1, its keys never changed", prefix, len(snaps))
+		}
+	}
+}
+
 // waitGroups waits until the source's queries read want.
 func waitGroups(t *testing.T, src *Source, want ...string) {
 	t.Helper()

