@@ -44,6 +44,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -skip '^BenchmarkFleet$$' -benchmem -benchtime 1000x -count 1 ./daemon
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./reconcile ./admin ./source/consul
 
 # FLEET daemons (separate processes) against one etcd, then one Consul agent.
 FLEET ?= 100

@@ -431,10 +431,12 @@ func BenchmarkObservability(b *testing.B) {
 // Consul agent (1,000 mounts, one key each), another follows one prefix;
 // updates alternate between the single prefix and the last of the 1,000,
 // so both latencies come from the same moments. It also reports the many-
-// prefix daemon's connections to the agent.
+// prefix daemon's connections to the agent, and then, in the same run, the
+// store's own floor (see consulFloor): "floor-one-key" and "floor-1000-keys".
 func BenchmarkConsulManyPrefixes(b *testing.B) {
 	const n = 1000
-	store := consulStore(b)
+	agent := consultest.Start(b)
+	store := consulStoreOf(b, agent)
 	var kv []string
 	for i := range n {
 		kv = append(kv, fmt.Sprintf("many/p%04d/key", i), fmt.Sprint(i))
@@ -506,6 +508,60 @@ func BenchmarkConsulManyPrefixes(b *testing.B) {
 	report(b, "1000-prefixes-e2e", manyLat)
 	b.ReportMetric(coldStart.Seconds(), "1000-mounts-projected-s")
 	b.ReportMetric(float64(processConnections(b, cmd.Process.Pid, store.port)), "agent-connections")
+	floorOne, floorMany := consulFloor(b, agent, n, b.N)
+	report(b, "floor-one-key", floorOne)
+	report(b, "floor-1000-keys", floorMany)
+}
+
+// consulFloor measures what the store itself takes, without kvmount: from
+// the start of a put to the return of a bare API client's blocking query
+// (the agent's answer, its transfer uncompressed, as kvmount reads a
+// loopback agent, and the client's decoding), on a prefix of n keys, one
+// per subprefix as in BenchmarkConsulManyPrefixes, and on a prefix of one
+// key; updates alternate between the two. Its prefixes lie apart from the
+// daemons', so no daemon wakes.
+func consulFloor(b *testing.B, agent *consultest.Agent, n, updates int) (one, many []time.Duration) {
+	b.Helper()
+	cfg := api.DefaultConfig()
+	cfg.Address = agent.Addr()
+	cfg.Transport.DisableCompression = true
+	client, err := api.NewClient(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("floor/many/p%04d/key", i), fmt.Sprint(i))
+	}
+	kv = append(kv, "floor/one/key", "0")
+	for i := 0; i < len(kv); i += 128 {
+		consultest.Txn(b, client, kv[i:min(i+128, len(kv))]...)
+	}
+	measure := func(prefix, key string, i int) time.Duration {
+		_, meta, err := client.KV().List(prefix, nil)
+		if err != nil {
+			b.Fatal(err)
+		}
+		returned := make(chan time.Time, 1)
+		go func() {
+			_, _, err := client.KV().List(prefix, &api.QueryOptions{WaitIndex: meta.LastIndex, WaitTime: time.Minute})
+			if err != nil {
+				b.Error(err)
+			}
+			returned <- time.Now()
+		}()
+		time.Sleep(5 * time.Millisecond) // the query is parked at the agent
+		t0 := time.Now()
+		if _, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte(fmt.Sprint("update ", i))}, nil); err != nil {
+			b.Fatal(err)
+		}
+		return (<-returned).Sub(t0)
+	}
+	for i := range updates {
+		one = append(one, measure("floor/one/", "floor/one/key", i))
+		many = append(many, measure("floor/many/", fmt.Sprintf("floor/many/p%04d/key", n-1), i))
+	}
+	return one, many
 }
 
 // processConnections counts pid's established TCP connections to port.
