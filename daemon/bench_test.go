@@ -428,7 +428,8 @@ func BenchmarkObservability(b *testing.B) {
 }
 
 // BenchmarkConsulManyPrefixes: one kvmount follows 1,000 prefixes of one
-// Consul agent (1,000 mounts, one key each), another follows one prefix;
+// Consul agent (1,000 tmpfs mounts, one key each), another follows one
+// prefix (a tmpfs mount too);
 // updates alternate between the single prefix and the last of the 1,000,
 // so both latencies come from the same moments. It also reports the many-
 // prefix daemon's connections to the agent, and then, in the same run, the
@@ -451,7 +452,9 @@ func BenchmarkConsulManyPrefixes(b *testing.B) {
 	base := b.TempDir()
 	var mounts strings.Builder
 	for i := range n {
-		fmt.Fprintf(&mounts, "[[mount]]\nname = \"p%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"many/p%04d/\"\n", i, filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i)), i)
+		dir := filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i))
+		fmt.Fprintf(&mounts, "[[mount]]\nname = \"p%04d\"\ndir = %q\nmedium = \"tmpfs\"\nsource = \"main\"\nprefix = \"many/p%04d/\"\n", i, dir, i)
+		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 	}
 	cfg := fmt.Sprintf("state_dir = %q\nresync_interval = \"1h\"\n[admin]\naddress = \"\"\n[sources.main]\n%s%s", filepath.Join(base, "state"), store.source, mounts.String())
 	configPath := filepath.Join(base, "kvmount.toml")
