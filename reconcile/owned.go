@@ -34,11 +34,24 @@ type Record struct {
 // directory so that a restart can adopt them and tear down the ones no
 // longer configured. It is safe for concurrent use; every change is written
 // to disk atomically (temp file, fsync, rename) before it returns.
+//
+// Changes made at the same time are written together (a group commit):
+// while one write is under way, the changes that arrive wait for it and
+// the next write carries all of them. A cold start of 1,000 mounts sets
+// up all of them at once; written one by one, the record was marshalled and
+// fsynced 1,000 times, each time whole.
 type Owned struct {
 	path string
 
 	mu      sync.Mutex
+	written *sync.Cond // signalled, with mu, when a write ends
 	records map[string]Record
+	// changes counts the changes to records; saved is the count the last
+	// write held, and saveErr its error.
+	changes, saved uint64
+	saveErr        error
+	saving         bool   // a write is under way
+	writes         uint64 // writes started, for tests
 }
 
 // ownedState is the file format, versioned for later changes.
@@ -54,6 +67,7 @@ func LoadOwned(stateDir string) (*Owned, error) {
 		return nil, fmt.Errorf("state: %w", err)
 	}
 	o := &Owned{path: filepath.Join(stateDir, ownedFile), records: map[string]Record{}}
+	o.written = sync.NewCond(&o.mu)
 	data, err := os.ReadFile(o.path)
 	if errors.Is(err, fs.ErrNotExist) {
 		return o, nil
@@ -97,7 +111,7 @@ func (o *Owned) Set(name string, r Record) error {
 		return nil
 	}
 	o.records[name] = r
-	return o.save()
+	return o.commit()
 }
 
 // Delete forgets mount name and saves the record.
@@ -108,14 +122,44 @@ func (o *Owned) Delete(name string) error {
 		return nil
 	}
 	delete(o.records, name)
-	return o.save()
+	return o.commit()
 }
 
-func (o *Owned) save() error {
-	data, err := json.MarshalIndent(ownedState{Version: 1, Mounts: o.records}, "", "  ")
-	if err != nil {
-		return fmt.Errorf("state: %w", err)
+// commit returns once a write that holds the change just made to records
+// has ended, with that write's error. It writes itself when no write is
+// under way; else it waits for the one under way, and a change made after
+// that write took its copy goes with the next. Callers hold o.mu, which
+// commit releases while it waits and writes.
+func (o *Owned) commit() error {
+	o.changes++
+	mine := o.changes
+	for o.saved < mine {
+		if o.saving {
+			o.written.Wait()
+			continue
+		}
+		o.saving = true
+		o.writes++
+		upTo := o.changes
+		data, err := json.MarshalIndent(ownedState{Version: 1, Mounts: o.records}, "", "  ")
+		o.mu.Unlock()
+		if err != nil {
+			err = fmt.Errorf("state: %w", err)
+		} else {
+			err = o.save(data)
+		}
+		o.mu.Lock()
+		o.saving = false
+		// A later write holds every earlier change too: its error is
+		// the one that counts for all of them.
+		o.saved, o.saveErr = upTo, err
+		o.written.Broadcast()
 	}
+	return o.saveErr
+}
+
+// save writes data as the record, durably.
+func (o *Owned) save(data []byte) error {
 	if err := renameio.WriteFile(o.path, append(data, '\n'), 0o600); err != nil {
 		return fmt.Errorf("state: %w", err)
 	}

@@ -1,9 +1,11 @@
 package reconcile
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 )
 
@@ -54,4 +56,49 @@ func TestOwnedRejectsCorruptRecord(t *testing.T) {
 			t.Errorf("LoadOwned(%q) = %v; want an error containing %q", body, err, want)
 		}
 	}
+}
+
+// TestOwnedConcurrentChanges: changes made at the same time are each on
+// disk when their call returns, and they are written together, not one
+// write each.
+func TestOwnedConcurrentChanges(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	o, err := LoadOwned(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 200
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			name := fmt.Sprintf("m%03d", i)
+			if err := o.Set(name, Record{Dir: "/run/" + name, Medium: "disk"}); err != nil {
+				t.Error(err)
+				return
+			}
+			again, err := LoadOwned(dir)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			if _, ok := again.Get(name); !ok {
+				t.Errorf("Set(%s) returned before the record on disk held it", name)
+			}
+		})
+	}
+	wg.Wait()
+	again, err := LoadOwned(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := len(again.All()); got != n {
+		t.Errorf("record on disk holds %d mounts; want %d", got, n)
+	}
+	o.mu.Lock()
+	writes := o.writes
+	o.mu.Unlock()
+	if writes >= n {
+		t.Errorf("%d changes made at once took %d writes; want them written together", n, writes)
+	}
+	t.Logf("%d changes made at once, %d writes", n, writes)
 }

@@ -129,10 +129,10 @@ type Source struct {
 	fanout *source.Fanout
 
 	mu        sync.Mutex
-	groups    []string               // the prefixes the running queries read
-	lists     map[string]*listing    // the latest listing of each group
-	followers []*follower          // every Follow's state, sorted by prefix
-	regroup   context.CancelFunc     // stops the running queries to group anew
+	groups    []string            // the prefixes the running queries read
+	lists     map[string]*listing // the latest listing of each group
+	followers []*follower         // every Follow's state, sorted by prefix
+	regroup   context.CancelFunc  // stops the running queries to group anew
 }
 
 var _ source.Source = (*Source)(nil)
