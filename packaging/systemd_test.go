@@ -157,8 +157,10 @@ func (c *container) waitFor(script, want string) {
 // that adds a disk and a tmpfs mount (the tmpfs visible outside the
 // service), an update, a systemd_unit notification over D-Bus, a SIGKILL
 // that systemd answers with a restart that adopts the mounts without
-// rewriting them, a reinstall that keeps an edited conffile, a stop that
-// keeps the content, and a purge.
+// rewriting them, a reinstall (an upgrade to the maintainer scripts) that
+// keeps an edited conffile and restarts the service, which adopts its
+// mounts, an upgrade that leaves the service alone while its configuration
+// fails check, a stop that keeps the content, and a purge.
 func TestOnBootedSystemd(t *testing.T) {
 	roottest.Require(t)
 	requireTools(t, map[string]string{"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"})
@@ -249,12 +251,33 @@ prefix = "/secrets/"
 		t.Errorf("reloads after the restart: %s; want 2 (an adoption notifies nothing)", got)
 	}
 
-	// Reinstalling keeps the edited conffile.
+	// Reinstalling (an upgrade, to the maintainer scripts) keeps the
+	// edited conffile and restarts the service, which adopts its mounts.
+	pid = c.sh("systemctl show -p MainPID --value kvmount")
 	c.sh("DEBIAN_FRONTEND=noninteractive dpkg -i --force-confold " + deb)
 	if got := c.sh("grep -c '^name = ' /etc/kvmount/kvmount.toml"); got != "2" {
 		t.Errorf("the edited conffile lost its mounts on reinstall (%s)", got)
 	}
 	c.waitFor("systemctl is-active kvmount", "active")
+	if now := c.sh("systemctl show -p MainPID --value kvmount"); now == pid {
+		t.Errorf("the upgrade did not restart kvmount (MainPID still %s)", pid)
+	}
+	c.waitFor("systemctl show -p StatusText --value kvmount", "2 mounts: 2 current")
+	if w, s := c.sh("readlink /srv/web/..data"), c.sh("readlink /run/secrets/..data"); w != web || s != secrets {
+		t.Errorf("after the upgrade ..data -> %s, %s; want %s, %s (adopted, not rewritten)", w, s, web, secrets)
+	}
+
+	// An upgrade while the configuration fails `kvmount check` leaves the
+	// running service alone, and says why.
+	c.sh("cp /etc/kvmount/kvmount.toml /var/tmp/good.toml && echo 'bogus = 1' >> /etc/kvmount/kvmount.toml")
+	pid = c.sh("systemctl show -p MainPID --value kvmount")
+	if out := c.sh("DEBIAN_FRONTEND=noninteractive dpkg -i --force-confold " + deb + " 2>&1"); !strings.Contains(out, "does not pass 'kvmount check'; the running service was not restarted") {
+		t.Errorf("an upgrade with a bad configuration printed:\n%s\nwant it to say the service was not restarted", out)
+	}
+	if now := c.sh("systemctl show -p MainPID --value kvmount"); now != pid || c.sh("systemctl is-active kvmount || true") != "active" {
+		t.Errorf("an upgrade with a bad configuration touched the running service (MainPID %s, was %s)", now, pid)
+	}
+	c.sh("cp /var/tmp/good.toml /etc/kvmount/kvmount.toml")
 
 	// A stop keeps the content.
 	c.sh("systemctl stop kvmount")
