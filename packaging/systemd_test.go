@@ -19,8 +19,10 @@ import (
 const waitTimeout = 60 * time.Second
 
 // rootfs returns a minimal Debian 12 root file system with systemd and
-// D-Bus (and procps, which the package depends on), made once with debootstrap (from Debian's packages) and cached
-// outside the repository under ~/.cache/kvmount/.
+// D-Bus, procps (which the .deb depends on) and rpm (to install the .rpm:
+// no Red Hat system's packages are reachable here), made once with
+// debootstrap (from Debian's packages) and cached outside the repository
+// under ~/.cache/kvmount/.
 func rootfs(t *testing.T) string {
 	t.Helper()
 	cache := os.Getenv("XDG_CACHE_HOME")
@@ -28,7 +30,7 @@ func rootfs(t *testing.T) string {
 		home, _ := os.UserHomeDir()
 		cache = filepath.Join(home, ".cache")
 	}
-	dir := filepath.Join(cache, "kvmount", "rootfs-bookworm-v2")
+	dir := filepath.Join(cache, "kvmount", "rootfs-bookworm-v3")
 	if _, err := os.Stat(filepath.Join(dir, "usr/lib/systemd/systemd")); err == nil {
 		return dir
 	}
@@ -38,7 +40,7 @@ func rootfs(t *testing.T) string {
 		t.Fatal(err)
 	}
 	t.Logf("building %s with debootstrap (once; about a minute or two)", dir)
-	out, err := exec.Command("debootstrap", "--variant=minbase", "--include=systemd,systemd-sysv,dbus,procps", "bookworm", tmp, "http://deb.debian.org/debian").CombinedOutput()
+	out, err := exec.Command("debootstrap", "--variant=minbase", "--include=systemd,systemd-sysv,dbus,procps,rpm", "bookworm", tmp, "http://deb.debian.org/debian").CombinedOutput()
 	if err != nil {
 		t.Fatalf("debootstrap: %v\n%s", err, lastLines(string(out), 20))
 	}
@@ -292,6 +294,67 @@ prefix = "/secrets/"
 		}
 	}
 	t.Logf("install to purge on a booted systemd: %v", time.Since(start).Round(time.Millisecond))
+}
+
+// TestRPMOnBootedSystemd installs the .rpm on a real systemd and runs its
+// scriptlets as rpm runs them. The system is Debian's, with Debian's rpm
+// (no Red Hat system is reachable from here), so the scriptlets meet a
+// real systemd but not a Red Hat preset policy: %post applies the presets
+// (Debian has none, so the service is enabled) and starts nothing; a start
+// runs the service; a reinstall runs the scriptlets of an upgrade, which
+// restart the service, and it adopts its mounts; an erase stops and
+// disables it and leaves the mount's content.
+func TestRPMOnBootedSystemd(t *testing.T) {
+	roottest.Require(t)
+	requireTools(t, map[string]string{"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"})
+	pkgs := buildPackages(t)
+	srv, cli := etcdtest.Start(t) // on 127.0.0.1: the container shares the host's network
+	etcdtest.Put(t, cli, "/web/site.conf", "listen 80;")
+	c := boot(t, filepath.Join(repo, "dist"))
+	// Debian's rpm refuses to install without --force-debian; --nodeps as
+	// the rpm database knows none of the system's packages.
+	rpm := "rpm --force-debian --nodeps "
+	pkg := "/dist/" + filepath.Base(pkgs["rpm/"+runtimeArch()])
+
+	c.sh(rpm + "-i " + pkg)
+	if got := c.sh("systemctl is-active kvmount || true"); got != "inactive" {
+		t.Errorf("after install: %s; want inactive (Red Hat's convention: %%post starts nothing)", got)
+	}
+	if got := c.sh("systemctl is-enabled kvmount || true"); got != "enabled" {
+		t.Errorf("after install: %s; want enabled (the presets applied, and Debian has none)", got)
+	}
+	c.sh(fmt.Sprintf("cat >> /etc/kvmount/kvmount.toml <<'KVMOUNT_END'\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n\n[[mount]]\nname = \"web\"\ndir = \"/srv/web\"\nsource = \"main\"\nprefix = \"/web/\"\nKVMOUNT_END", srv.Endpoint()))
+	c.sh("systemctl start kvmount")
+	c.waitFor("cat /srv/web/site.conf", "listen 80;")
+	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mounts: 1 current")
+
+	// A reinstall runs %post with 2 and %postun with 1, as an upgrade does:
+	// a running service is restarted and adopts its mount.
+	web, pid := c.sh("readlink /srv/web/..data"), c.sh("systemctl show -p MainPID --value kvmount")
+	c.sh(rpm + "-U --replacepkgs " + pkg)
+	c.waitFor("systemctl is-active kvmount", "active")
+	if now := c.sh("systemctl show -p MainPID --value kvmount"); now == pid {
+		t.Errorf("the upgrade did not restart kvmount (MainPID still %s)", pid)
+	}
+	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mounts: 1 current")
+	if got := c.sh("readlink /srv/web/..data"); got != web {
+		t.Errorf("after the upgrade ..data -> %s; want %s (adopted, not rewritten)", got, web)
+	}
+	if got := c.sh("grep -c '^name = ' /etc/kvmount/kvmount.toml"); got != "1" {
+		t.Errorf("the edited configuration lost its mount on the upgrade (%s)", got)
+	}
+
+	// An erase runs %preun with 0: stopped and disabled, content kept.
+	c.sh(rpm + "-e kvmount")
+	if got := c.sh("systemctl is-active kvmount || true"); got != "inactive" {
+		t.Errorf("after erase: %s; want inactive", got)
+	}
+	if out, err := c.try("test", "-e", "/usr/bin/kvmount"); err == nil {
+		t.Errorf("/usr/bin/kvmount still exists after erase %s", out)
+	}
+	if got := c.sh("cat /srv/web/site.conf"); got != "listen 80;" {
+		t.Errorf("after erase: %q; want the mount's last content", got)
+	}
 }
 
 // runtimeArch is the Debian architecture of this machine.
