@@ -127,7 +127,10 @@ func statusLine(mounts []reconcile.MountStatus) string {
 	for i, state := range states {
 		parts[i] = fmt.Sprintf("%d %s", counts[state], state)
 	}
-	line := fmt.Sprintf("%d mounts", len(mounts))
+	line := fmt.Sprintf("%d mount", len(mounts))
+	if len(mounts) != 1 {
+		line += "s"
+	}
 	if len(parts) > 0 {
 		line += ": " + strings.Join(parts, ", ")
 	}

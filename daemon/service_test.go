@@ -154,8 +154,8 @@ func TestAdminEndpoint(t *testing.T) {
 	h.statusMu.Lock()
 	lines := strings.Join(h.statusLines, "\n")
 	h.statusMu.Unlock()
-	if !strings.Contains(lines, "1 mounts: 1 current") {
-		t.Errorf("STATUS= lines %q; want \"1 mounts: 1 current\"", lines)
+	if !strings.Contains(lines, "1 mount: 1 current") {
+		t.Errorf("STATUS= lines %q; want \"1 mount: 1 current\"", lines)
 	}
 
 	h.etcd.Stop()
@@ -178,7 +178,7 @@ func TestAdminEndpoint(t *testing.T) {
 	h.statusMu.Lock()
 	lines = strings.Join(h.statusLines, "\n")
 	h.statusMu.Unlock()
-	if !strings.Contains(lines, "1 mounts: 1 stale (ad: source \"main\"") {
+	if !strings.Contains(lines, "1 mount: 1 stale (ad: source \"main\"") {
 		t.Errorf("STATUS= lines %q; want the stale mount and why", lines)
 	}
 }

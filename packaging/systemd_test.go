@@ -326,7 +326,7 @@ func TestRPMOnBootedSystemd(t *testing.T) {
 	c.sh(fmt.Sprintf("cat >> /etc/kvmount/kvmount.toml <<'KVMOUNT_END'\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n\n[[mount]]\nname = \"web\"\ndir = \"/srv/web\"\nsource = \"main\"\nprefix = \"/web/\"\nKVMOUNT_END", srv.Endpoint()))
 	c.sh("systemctl start kvmount")
 	c.waitFor("cat /srv/web/site.conf", "listen 80;")
-	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mounts: 1 current")
+	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mount: 1 current")
 
 	// A reinstall runs %post with 2 and %postun with 1, as an upgrade does:
 	// a running service is restarted and adopts its mount.
@@ -336,7 +336,7 @@ func TestRPMOnBootedSystemd(t *testing.T) {
 	if now := c.sh("systemctl show -p MainPID --value kvmount"); now == pid {
 		t.Errorf("the upgrade did not restart kvmount (MainPID still %s)", pid)
 	}
-	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mounts: 1 current")
+	c.waitFor("systemctl show -p StatusText --value kvmount", "1 mount: 1 current")
 	if got := c.sh("readlink /srv/web/..data"); got != web {
 		t.Errorf("after the upgrade ..data -> %s; want %s (adopted, not rewritten)", got, web)
 	}

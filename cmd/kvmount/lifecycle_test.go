@@ -237,7 +237,7 @@ func TestStatusCommandAndWatchdog(t *testing.T) {
 	e.writeAppConfig("unix:"+socket, "")
 	cmd, logs := e.startEnv([]string{"NOTIFY_SOCKET=" + notify.path, "WATCHDOG_USEC=200000"}, "run")
 	notify.wait(t, "READY=1")
-	notify.seen(t, "STATUS=1 mounts: 1 current")
+	notify.seen(t, "STATUS=1 mount: 1 current")
 	notify.wait(t, "WATCHDOG=1")
 	notify.wait(t, "WATCHDOG=1")
 	status := func(want int, lines ...string) {
@@ -261,7 +261,7 @@ func TestStatusCommandAndWatchdog(t *testing.T) {
 	status(0, "app", "current")
 	e.etcd.Stop()
 	status(1, "app", "stale", "source main is down")
-	notify.seen(t, "STATUS=1 mounts: 1 stale (app: source \"main\"")
+	notify.seen(t, "STATUS=1 mount: 1 stale (app: source \"main\"")
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatal(err)
 	}

@@ -113,7 +113,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			for _, w := range cfg.Warnings {
 				fmt.Fprintf(stderr, "warning: %v\n", w)
 			}
-			fmt.Fprintf(stdout, "%s: OK (%d sources, %d mounts, %d warnings)\n", *configPath, len(cfg.Sources), len(cfg.Mounts), len(cfg.Warnings))
+			fmt.Fprintf(stdout, "%s: OK (%s, %s, %s)\n", *configPath, count(len(cfg.Sources), "source"), count(len(cfg.Mounts), "mount"), count(len(cfg.Warnings), "warning"))
 		}
 	case "status":
 		return status(ctx, *configPath, opts.Registry, stdout, stderr)
@@ -231,4 +231,12 @@ func buildVersion() string {
 		return info.Main.Version
 	}
 	return "devel"
+}
+
+// count returns "1 noun" or "n nouns".
+func count(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
 }

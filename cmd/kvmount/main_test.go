@@ -72,7 +72,7 @@ source = "main"
 prefix = "/apps/app/"
 `)
 	code, out, errOut := runCmd("check", "-config", valid)
-	if code != 0 || !strings.Contains(out, "OK (1 sources, 1 mounts, 0 warnings)") || errOut != "" {
+	if code != 0 || !strings.Contains(out, "OK (1 source, 1 mount, 0 warnings)") || errOut != "" {
 		t.Errorf("check valid = %d, %q, %q; want 0 and OK", code, out, errOut)
 	}
 
@@ -87,7 +87,7 @@ source = "main"
 prefix = "/apps/app"
 `)
 	code, out, errOut = runCmd("check", "-config", warned)
-	if code != 0 || !strings.Contains(out, "1 warnings") || !strings.Contains(errOut, "warning: "+warned+`:9: mount[0].prefix: "/apps/app" does not end in "/"`) {
+	if code != 0 || !strings.Contains(out, "1 warning)") || !strings.Contains(errOut, "warning: "+warned+`:9: mount[0].prefix: "/apps/app" does not end in "/"`) {
 		t.Errorf("check with a prefix lacking \"/\" = %d, %q, %q; want 0 and a warning at line 9", code, out, errOut)
 	}
 
