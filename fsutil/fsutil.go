@@ -85,12 +85,20 @@ func ProcPath(f *os.File) string {
 // SetDirAttrs gives the open directory d the permission mode and the owner
 // uid:gid (-1 keeps the user or group), with fchmod(2) and fchown(2), so
 // that a directory that was swapped for a symlink is never changed through
-// it.
+// it. What already matches is left alone: a chmod or chown to the same
+// value still changes the inode (its ctime), and every start and reload
+// sets every mount directory's attributes.
 func SetDirAttrs(d *os.File, mode fs.FileMode, uid, gid int) error {
-	if err := d.Chmod(mode.Perm()); err != nil {
-		return err
+	var st unix.Stat_t
+	if err := unix.Fstat(int(d.Fd()), &st); err != nil {
+		return &fs.PathError{Op: "fstat", Path: d.Name(), Err: err}
 	}
-	if uid >= 0 || gid >= 0 {
+	if fs.FileMode(st.Mode).Perm() != mode.Perm() || st.Mode&(unix.S_ISUID|unix.S_ISGID|unix.S_ISVTX) != 0 {
+		if err := d.Chmod(mode.Perm()); err != nil {
+			return err
+		}
+	}
+	if (uid >= 0 && uint32(uid) != st.Uid) || (gid >= 0 && uint32(gid) != st.Gid) {
 		if err := d.Chown(uid, gid); err != nil {
 			return err
 		}

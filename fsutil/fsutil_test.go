@@ -6,6 +6,11 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
 func TestDirExists(t *testing.T) {
@@ -80,5 +85,54 @@ func TestMakeDirModes(t *testing.T) {
 		if info.Mode().Perm() != want {
 			t.Errorf("%s: mode %v; want %v", p, info.Mode().Perm(), want)
 		}
+	}
+}
+
+// TestSetDirAttrs: what differs is changed; what matches is left alone,
+// the inode's ctime included.
+func TestSetDirAttrs(t *testing.T) {
+	roottest.Require(t) // chown
+	dir := filepath.Join(t.TempDir(), "d")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(dir, 0o755); err != nil { // past the umask
+		t.Fatal(err)
+	}
+	ctime := func() unix.Timespec {
+		var st unix.Stat_t
+		if err := unix.Stat(dir, &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Ctim
+	}
+	set := func(mode os.FileMode, uid, gid int) {
+		t.Helper()
+		d, err := os.Open(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Close()
+		if err := SetDirAttrs(d, mode, uid, gid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := ctime()
+	time.Sleep(20 * time.Millisecond)
+	set(0o755, -1, -1)
+	set(0o755, 0, 0)
+	if after := ctime(); after != before {
+		t.Errorf("attributes that already matched were set again (ctime %v → %v)", before, after)
+	}
+	set(0o750, 1234, 4321)
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	if os.FileMode(st.Mode).Perm() != 0o750 || st.Uid != 1234 || st.Gid != 4321 {
+		t.Errorf("mode %o, owner %d:%d; want 750, 1234:4321", os.FileMode(st.Mode).Perm(), st.Uid, st.Gid)
+	}
+	if ctime() == before {
+		t.Error("ctime unchanged after a change of mode and owner")
 	}
 }
