@@ -107,8 +107,8 @@ func (o *Owned) Get(name string) (Record, bool) {
 func (o *Owned) Set(name string, r Record) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if old, ok := o.records[name]; ok && old == r {
-		return nil
+	if old, ok := o.records[name]; ok && old == r && o.saveErr == nil {
+		return nil // on disk already
 	}
 	o.records[name] = r
 	return o.commit()
@@ -118,8 +118,8 @@ func (o *Owned) Set(name string, r Record) error {
 func (o *Owned) Delete(name string) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if _, ok := o.records[name]; !ok {
-		return nil
+	if _, ok := o.records[name]; !ok && o.saveErr == nil {
+		return nil // gone from disk already
 	}
 	delete(o.records, name)
 	return o.commit()

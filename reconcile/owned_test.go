@@ -102,3 +102,35 @@ func TestOwnedConcurrentChanges(t *testing.T) {
 	}
 	t.Logf("%d changes made at once, %d writes", n, writes)
 }
+
+// TestOwnedRetriesAfterAFailedWrite: after a write fails, the same change
+// made again is written, not taken as already on disk.
+func TestOwnedRetriesAfterAFailedWrite(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "state")
+	o, err := LoadOwned(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A directory where the record goes: the rename onto it fails.
+	blocker := filepath.Join(dir, ownedFile)
+	if err := os.Mkdir(blocker, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rec := Record{Dir: "/run/app", Medium: "disk"}
+	if err := o.Set("app", rec); err == nil {
+		t.Fatal("Set succeeded with a directory in the record's place")
+	}
+	if err := os.Remove(blocker); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.Set("app", rec); err != nil {
+		t.Fatal(err)
+	}
+	again, err := LoadOwned(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := again.Get("app"); !ok || got != rec {
+		t.Errorf("record on disk holds %v, %v; want the change made again after the failed write", got, ok)
+	}
+}
