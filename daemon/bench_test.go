@@ -472,20 +472,10 @@ func BenchmarkConsulManyPrefixes(b *testing.B) {
 		_ = cmd.Wait()
 	})
 	lastDir := filepath.Join(base, "mnt", fmt.Sprintf("p%04d", n-1))
-	for deadline := time.Now().Add(2 * waitTimeout); ; time.Sleep(10 * time.Millisecond) {
-		projected := 0
-		for i := range n {
-			if _, err := os.Lstat(filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i), "key")); err == nil {
-				projected++
-			}
-		}
-		if projected == n {
-			break
-		}
-		if time.Now().After(deadline) {
-			b.Fatalf("only %d of %d mounts projected", projected, n)
-		}
-	}
+	waitProjected(b, n, 2*waitTimeout, "mounts projected", func(i int) bool {
+		_, err := os.Lstat(filepath.Join(base, "mnt", fmt.Sprintf("p%04d", i), "key"))
+		return err == nil
+	})
 	coldStart := time.Since(start)
 	many := store
 	many.prefix = fmt.Sprintf("many/p%04d/", n-1)
@@ -565,6 +555,27 @@ func consulFloor(b *testing.B, agent *consultest.Agent, n, updates int) (one, ma
 		many = append(many, measure("floor/many/", fmt.Sprintf("floor/many/p%04d/key", n-1), i))
 	}
 	return one, many
+}
+
+// waitProjected polls every 10 ms until projected(i) holds for every i
+// below n, and fails the benchmark after timeout with how many did
+// ("only 7 of 100 <what>").
+func waitProjected(b *testing.B, n int, timeout time.Duration, what string, projected func(i int) bool) {
+	b.Helper()
+	for deadline := time.Now().Add(timeout); ; time.Sleep(10 * time.Millisecond) {
+		done := 0
+		for i := range n {
+			if projected(i) {
+				done++
+			}
+		}
+		if done == n {
+			return
+		}
+		if time.Now().After(deadline) {
+			b.Fatalf("only %d of %d %s", done, n, what)
+		}
+	}
 }
 
 // processConnections counts pid's established TCP connections to port.

@@ -238,22 +238,11 @@ prefix = "%svm%04d/"
 		pids[i] = cmd.Process.Pid
 		cmds = append(cmds, cmd)
 	}
-	for deadline := time.Now().Add(5 * waitTimeout); ; time.Sleep(20 * time.Millisecond) {
-		projected := 0
-		for i := range n {
-			_, err1 := os.Lstat(filepath.Join(sharedDir(i), "key"))
-			_, err2 := os.Lstat(filepath.Join(ownDir(i), "key"))
-			if err1 == nil && err2 == nil {
-				projected++
-			}
-		}
-		if projected == n {
-			break
-		}
-		if time.Now().After(deadline) {
-			b.Fatalf("only %d of %d daemons projected both mounts", projected, n)
-		}
-	}
+	waitProjected(b, n, 5*waitTimeout, "daemons projected both mounts", func(i int) bool {
+		_, err1 := os.Lstat(filepath.Join(sharedDir(i), "key"))
+		_, err2 := os.Lstat(filepath.Join(ownDir(i), "key"))
+		return err1 == nil && err2 == nil
+	})
 	coldStart := time.Since(start)
 
 	// At rest: after the daemons have settled (and returned their

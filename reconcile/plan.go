@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -82,16 +83,11 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     first; that time is a retry time. A first setup, an adopted mount
 //     and a repair of drift do not wait.
 func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
-	names := make([]string, 0, len(dsw)+len(asw.Mounts))
-	for name := range dsw {
-		names = append(names, name)
-	}
-	slices.Sort(names)
-	return planSorted(withTeardowns(names, dsw, asw), dsw, asw, now)
+	return planSorted(withTeardowns(slices.Sorted(maps.Keys(dsw)), dsw, asw), dsw, asw, now)
 }
 
-// withTeardowns returns sorted, the sorted names of dsw, merged with the
-// names of the actual mounts that are not desired; sorted itself when there
+// withTeardowns returns sorted (dsw's names, sorted) with the names of the
+// actual mounts that are not desired merged in; sorted itself when there
 // are none.
 func withTeardowns(sorted []string, dsw DesiredState, asw *ActualState) []string {
 	var extra []string
@@ -103,7 +99,9 @@ func withTeardowns(sorted []string, dsw DesiredState, asw *ActualState) []string
 	if len(extra) == 0 {
 		return sorted
 	}
-	return slices.Sorted(slices.Values(append(slices.Clone(sorted), extra...)))
+	merged := append(slices.Clone(sorted), extra...)
+	slices.Sort(merged)
+	return merged
 }
 
 // planSorted is Plan over names: every desired and actual mount's name,

@@ -208,14 +208,23 @@ func TestDecode(t *testing.T) {
 	}
 }
 
-func TestTokenIsSentAndNeverPrinted(t *testing.T) {
-	var got atomic.Value
+// emptyAgent is an httptest server that answers like an agent with no
+// keys (404 at index 3) and hands each request to record first. It closes
+// after the test's Follows have ended, which a deferred Close would wait
+// for.
+func emptyAgent(t *testing.T, record func(r *http.Request)) *httptest.Server {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got.Store(r.Header.Get("X-Consul-Token"))
+		record(r)
 		w.Header().Set("X-Consul-Index", "3")
 		w.WriteHeader(http.StatusNotFound)
 	}))
-	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func TestTokenIsSentAndNeverPrinted(t *testing.T) {
+	var got atomic.Value
+	srv := emptyAgent(t, func(r *http.Request) { got.Store(r.Header.Get("X-Consul-Token")) })
 	tokenFile := t.TempDir() + "/token"
 	if err := writeFile(tokenFile, "s3cr3t-token\n"); err != nil {
 		t.Fatal(err)
@@ -240,12 +249,9 @@ func TestTokenIsSentAndNeverPrinted(t *testing.T) {
 func TestEnvironmentIsIgnored(t *testing.T) {
 	type seen struct{ token, query, auth string }
 	var got atomic.Value
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv := emptyAgent(t, func(r *http.Request) {
 		got.Store(seen{r.Header.Get("X-Consul-Token"), r.URL.RawQuery, r.Header.Get("Authorization")})
-		w.Header().Set("X-Consul-Index", "3")
-		w.WriteHeader(http.StatusNotFound)
-	}))
-	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
+	})
 	envToken := t.TempDir() + "/env-token"
 	if err := writeFile(envToken, "from-env-file\n"); err != nil {
 		t.Fatal(err)
@@ -269,12 +275,7 @@ func TestEnvironmentIsIgnored(t *testing.T) {
 // compressed.
 func TestCompressionOnlyOverANetwork(t *testing.T) {
 	var got atomic.Value
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got.Store(r.Header.Get("Accept-Encoding"))
-		w.Header().Set("X-Consul-Index", "3")
-		w.WriteHeader(http.StatusNotFound)
-	}))
-	t.Cleanup(srv.Close) // after the Follow has ended, which a deferred Close would wait for
+	srv := emptyAgent(t, func(r *http.Request) { got.Store(r.Header.Get("Accept-Encoding")) })
 	rec := follow(t, watchConfig(strings.TrimPrefix(srv.URL, "http://")), "x/")
 	rec.WaitFor(t, "missing prefix", sourcetest.Missing)
 	if ae := got.Load().(string); strings.Contains(ae, "gzip") {
