@@ -48,6 +48,8 @@ const (
 	// DefaultMaxValueSize is the largest value projected, 1 MiB: the
 	// limit of a Kubernetes ConfigMap or Secret.
 	DefaultMaxValueSize = 1 << 20
+	// DefaultMaxFiles is the most files a mount's payload may hold.
+	DefaultMaxFiles = 10_000
 	// DefaultCheckTimeout bounds a mount's check_command.
 	DefaultCheckTimeout = 30 * time.Second
 )
@@ -152,6 +154,9 @@ type Mount struct {
 	MaxValueSize int64
 	// MaxMountSize is the largest payload, in bytes; 0 for no limit.
 	MaxMountSize int64
+	// MaxFiles is the most files a payload may hold (max_files), on every
+	// medium; a tmpfs is mounted with an inode limit to match.
+	MaxFiles int
 }
 
 // Projection is one source and prefix of a mount.
@@ -321,6 +326,7 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	}
 	m.MaxValueSize = sec.Size("max_value_size", DefaultMaxValueSize)
 	m.MaxMountSize = sec.Size("max_mount_size", 0)
+	m.MaxFiles = int(sec.Int("max_files", DefaultMaxFiles, 1, 1<<24))
 	m.UID = lookupID(sec, "user", lookupUser)
 	m.GID = lookupID(sec, "group", lookupGroup)
 	m.Optional = sec.Bool("optional", false)

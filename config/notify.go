@@ -36,9 +36,12 @@ type Notify struct {
 	// Command is the argv of a command entry; no shell.
 	Command []string
 	// Signal and PIDFile: the signal sent to the process whose PID the
-	// file holds, read at each notification.
+	// file holds, read at each notification. PIDUnit, when set, is the
+	// systemd unit whose control group the process must belong to —
+	// required for a PID file root does not own.
 	Signal  syscall.Signal
 	PIDFile string
+	PIDUnit string
 	// Unit and Action: the systemd unit and what to do with it.
 	Unit, Action string
 	// Webhook is the URL a JSON description of the change is POSTed to,
@@ -65,7 +68,7 @@ func (n Notify) Target() string {
 		return n.Unit
 	case NotifyWebhook:
 		if u, err := url.Parse(n.Webhook); err == nil {
-			u.User, u.RawQuery, u.Fragment = nil, "", ""
+			u.User, u.RawQuery, u.Fragment, u.RawFragment = nil, "", "", ""
 			return u.String()
 		}
 	}
@@ -103,6 +106,7 @@ func decodeNotify(sec *Section) Notify {
 		}
 	}
 	only("pid_file", NotifySignal)
+	only("unit", NotifySignal)
 	only("action", NotifySystemd)
 	only("headers", NotifyWebhook)
 	only("header_files", NotifyWebhook)
@@ -125,6 +129,10 @@ func decodeNotify(sec *Section) Notify {
 			sec.Errorf("", "a signal entry needs pid_file")
 		} else if !strings.HasPrefix(n.PIDFile, "/") {
 			sec.Errorf("pid_file", "%q is not an absolute path", n.PIDFile)
+		}
+		n.PIDUnit = sec.String("unit", "")
+		if sec.Has("unit") && (n.PIDUnit == "" || strings.ContainsAny(n.PIDUnit, "/ \t") || !strings.Contains(n.PIDUnit, ".")) {
+			sec.Errorf("unit", "%q is not a unit name such as \"nginx.service\"", n.PIDUnit)
 		}
 	case NotifySystemd:
 		n.Unit = sec.String(NotifySystemd, "")

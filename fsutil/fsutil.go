@@ -1,14 +1,18 @@
-// Package fsutil holds the few file-system operations kvmount performs on
-// mount directories outside the atomic writer: opening a mount directory
-// without following a symlink, creating it with its mode and owner, and
-// mounting, recognising and unmounting the tmpfs of a mount whose medium is
-// tmpfs.
+// Package fsutil holds the file-system operations kvmount performs outside
+// the atomic writer: resolving a path with no symlink in any component,
+// creating a mount directory and its parents, identifying a directory by
+// file system and inode, stripping inherited POSIX ACLs, and mounting,
+// recognising and unmounting the tmpfs of a mount whose medium is tmpfs.
 //
-// A mount directory is always reached through a handle opened relative to
-// its parent with O_NOFOLLOW|O_DIRECTORY: whoever can write the parent can
-// replace the mount directory with a symlink, and kvmount must then refuse
-// it rather than change, mount over or remove what the symlink points at.
-// The parent's own path is resolved as usual (/var/run → /run is common).
+// kvmount runs as root on hosts shared with service accounts, and a path
+// it is given may pass through directories those accounts can write. Every
+// path below / that kvmount creates, opens, changes or removes is therefore
+// resolved without following a symlink in any component — openat2(2) with
+// RESOLVE_NO_SYMLINKS, or on a kernel without it a component-wise
+// O_NOFOLLOW walk from / — and then used through the handle it yields
+// (fchmod, fchown, mkdirat, ...), never through the path again. This closes
+// the class of CVE-2018-6954 (systemd-tmpfiles followed symlinks in
+// non-terminal components) and the kubelet's subpath CVE-2017-1002101.
 package fsutil
 
 import (
@@ -17,62 +21,161 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
 
-// ErrNotDir is returned for a mount directory path that exists but is not a
-// directory — a symlink to one included: a mount directory must be real.
+// ErrNotDir is returned for a path that exists but is not a directory — a
+// symlink to one included: a mount directory must be real.
 var ErrNotDir = errors.New("not a directory")
 
-// DirExists reports whether dir exists as a real directory, without
-// following a symlink. It returns ErrNotDir (wrapped) for anything else at
-// that path, and other errors from lstat(2) as they are.
-func DirExists(dir string) (bool, error) {
-	info, err := os.Lstat(dir)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		return false, nil
-	case err != nil:
-		return false, err
-	case info.Mode().Type() == fs.ModeSymlink:
-		return false, fmt.Errorf("%s: %w: it is a symlink, and kvmount never follows a symlink at a mount directory", dir, ErrNotDir)
-	case !info.IsDir():
-		return false, fmt.Errorf("%s: %w (%v)", dir, ErrNotDir, info.Mode().Type())
+// ErrSymlink is returned for a path one of whose components is a symlink:
+// kvmount follows none. The error names the component.
+var ErrSymlink = errors.New("a symlink in the path")
+
+// resolveFlags are openat2's resolve flags for every path kvmount opens:
+// no symlink, and no /proc magic link, in any component.
+const resolveFlags = unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
+
+// haveOpenat2 is cleared when the kernel (before Linux 5.6) or a seccomp
+// filter refuses openat2; the component-wise walk is used then.
+var haveOpenat2 = true
+
+// OpenNoFollow opens the absolute path with flags (O_RDONLY, O_DIRECTORY,
+// O_PATH, ...; O_CLOEXEC and O_NOFOLLOW are added) without following a
+// symlink in any component: openat2(2) with RESOLVE_NO_SYMLINKS where the
+// kernel has it, else a walk from / that opens each component relative to
+// the previous one with O_NOFOLLOW. The path is cleaned first; it must be
+// absolute.
+//
+// A symlink in any component yields an error wrapping ErrSymlink that names
+// it (and, at the last component, ErrNotDir too when flags ask for a
+// directory); a missing component one wrapping fs.ErrNotExist; others are
+// *fs.PathError. The caller closes the returned handle.
+func OpenNoFollow(path string, flags int) (*os.File, error) {
+	path = filepath.Clean(path)
+	if !filepath.IsAbs(path) {
+		return nil, fmt.Errorf("%s: not an absolute path", path)
 	}
-	return true, nil
+	flags |= unix.O_CLOEXEC | unix.O_NOFOLLOW
+	fd, err := openNoFollow(path, flags)
+	if err == nil {
+		return os.NewFile(uintptr(fd), path), nil
+	}
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+		if link := firstSymlink(path); link != "" {
+			target, _ := os.Readlink(link)
+			wrapped := ErrSymlink
+			if link == path && flags&unix.O_DIRECTORY != 0 {
+				return nil, fmt.Errorf("%s: %w: %w: it is a symlink (to %s), and kvmount never follows a symlink at a mount directory", path, ErrNotDir, wrapped, target)
+			}
+			if link == path {
+				return nil, fmt.Errorf("%s: %w: it is a symlink (to %s), and kvmount follows none", path, wrapped, target)
+			}
+			return nil, fmt.Errorf("%s: %w: %s is a symlink (to %s), and kvmount follows no symlink in any component of a path; name the directory without it", path, wrapped, link, target)
+		}
+		if errors.Is(err, unix.ENOTDIR) && flags&unix.O_DIRECTORY != 0 {
+			return nil, fmt.Errorf("%s: %w", path, ErrNotDir)
+		}
+	}
+	return nil, &fs.PathError{Op: "open", Path: path, Err: err}
+}
+
+// openNoFollow opens path with openat2, or walks it.
+func openNoFollow(path string, flags int) (int, error) {
+	if haveOpenat2 {
+		fd, err := unix.Openat2(unix.AT_FDCWD, path, &unix.OpenHow{Flags: uint64(flags), Resolve: resolveFlags})
+		if err == nil {
+			return fd, nil
+		}
+		if !errors.Is(err, unix.ENOSYS) && !errors.Is(err, unix.EPERM) {
+			// EAGAIN: a rename raced the lookup (RESOLVE_NO_SYMLINKS
+			// may refuse to retry); walk instead.
+			if !errors.Is(err, unix.EAGAIN) {
+				return -1, err
+			}
+		} else {
+			haveOpenat2 = false
+		}
+	}
+	return walk(path, flags)
+}
+
+// walk opens path component by component from /, each relative to the
+// previous one with O_NOFOLLOW.
+func walk(path string, flags int) (int, error) {
+	dir, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return -1, err
+	}
+	if path == "/" {
+		if flags&unix.O_PATH != 0 {
+			return dir, nil
+		}
+		defer unix.Close(dir)
+		return unix.Openat(dir, ".", flags, 0)
+	}
+	elems := strings.Split(strings.TrimPrefix(path, "/"), "/")
+	for i, elem := range elems {
+		f := unix.O_PATH | unix.O_DIRECTORY | unix.O_NOFOLLOW | unix.O_CLOEXEC
+		if i == len(elems)-1 {
+			f = flags
+		}
+		next, err := unix.Openat(dir, elem, f, 0)
+		unix.Close(dir)
+		if err != nil {
+			return -1, err
+		}
+		dir = next
+	}
+	return dir, nil
+}
+
+// firstSymlink returns the first component of the absolute, clean path that
+// is a symlink, or "".
+func firstSymlink(path string) string {
+	p := "/"
+	for elem := range strings.SplitSeq(strings.TrimPrefix(path, "/"), "/") {
+		p = filepath.Join(p, elem)
+		info, err := os.Lstat(p)
+		if err != nil {
+			return ""
+		}
+		if info.Mode().Type() == fs.ModeSymlink {
+			return p
+		}
+	}
+	return ""
 }
 
 // OpenDir opens the directory dir for reading without following a symlink
-// at its last element: the parent is opened first, then dir relative to it
-// with O_NOFOLLOW|O_DIRECTORY. A symlink or anything else that is not a
-// directory at dir yields an error wrapping ErrNotDir; a missing dir one
-// wrapping fs.ErrNotExist. The caller closes the returned handle.
+// in any component (OpenNoFollow). A symlink or anything else that is not a
+// directory at dir yields an error wrapping ErrNotDir; a symlink in a parent
+// one wrapping ErrSymlink; a missing dir one wrapping fs.ErrNotExist. The
+// caller closes the returned handle.
 func OpenDir(dir string) (*os.File, error) {
 	dir = filepath.Clean(dir)
 	if !filepath.IsAbs(dir) || dir == "/" {
 		return nil, fmt.Errorf("%s: a mount directory must be absolute and not /", dir)
 	}
-	parent, err := unix.Open(filepath.Dir(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, &fs.PathError{Op: "open", Path: filepath.Dir(dir), Err: err}
-	}
-	defer unix.Close(parent)
-	fd, err := unix.Openat(parent, filepath.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	return OpenNoFollow(dir, unix.O_RDONLY|unix.O_DIRECTORY)
+}
+
+// DirExists reports whether dir exists as a real directory reached without
+// following a symlink in any component. It returns ErrNotDir (wrapped) for
+// anything else at that path, ErrSymlink for a symlink in a parent, and
+// other errors of the lookup as they are.
+func DirExists(dir string) (bool, error) {
+	d, err := OpenDir(dir)
 	switch {
-	case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR):
-		// O_NOFOLLOW on a symlink gives ELOOP; with O_DIRECTORY some
-		// kernels say ENOTDIR.
-		var st unix.Stat_t
-		kind := "not a directory"
-		if unix.Fstatat(parent, filepath.Base(dir), &st, unix.AT_SYMLINK_NOFOLLOW) == nil && st.Mode&unix.S_IFMT == unix.S_IFLNK {
-			kind = "a symlink"
-		}
-		return nil, fmt.Errorf("%s: %w: it is %s, and kvmount never follows a symlink at a mount directory", dir, ErrNotDir, kind)
+	case errors.Is(err, fs.ErrNotExist):
+		return false, nil
 	case err != nil:
-		return nil, &fs.PathError{Op: "open", Path: dir, Err: err}
+		return false, err
 	}
-	return os.NewFile(uintptr(fd), dir), nil
+	d.Close()
+	return true, nil
 }
 
 // ProcPath returns the /proc/self/fd path of the open file f: a path that
@@ -87,7 +190,8 @@ func ProcPath(f *os.File) string {
 // that a directory that was swapped for a symlink is never changed through
 // it. What already matches is left alone: a chmod or chown to the same
 // value still changes the inode (its ctime), and every start and reload
-// sets every mount directory's attributes.
+// sets every mount directory's attributes. Set-user-ID, set-group-ID and
+// sticky bits are cleared.
 func SetDirAttrs(d *os.File, mode fs.FileMode, uid, gid int) error {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(d.Fd()), &st); err != nil {
@@ -110,42 +214,85 @@ func SetDirAttrs(d *os.File, mode fs.FileMode, uid, gid int) error {
 // must be able to reach the mount below them, whatever its own dir_mode.
 const parentDirMode = 0o755
 
-// MakeDir creates dir and any missing parents. Missing parents get mode
-// 0755 and kvmount's own owner; dir itself gets mode and the owner uid:gid
-// (-1 keeps kvmount's user or group). Every mode is set explicitly after
-// mkdir(2), so the process umask never narrows it. The parent of each
-// directory created is fsynced, so that the new entry survives a crash. An
-// existing dir is left as it is; a symlink at dir is refused with ErrNotDir.
-func MakeDir(dir string, mode fs.FileMode, uid, gid int) error {
+// MakeDir creates dir and any missing parents, without following a symlink
+// in any component: each directory is opened relative to its parent with
+// O_NOFOLLOW and created with mkdirat(2). Missing parents get mode 0755 and
+// kvmount's own owner; dir itself gets mode and the owner uid:gid (-1 keeps
+// kvmount's user or group). Every mode is set explicitly with fchmod(2)
+// after mkdirat(2), so the process umask never narrows it, and no POSIX ACL
+// a parent's default ACL would pass on is left on what it creates. The
+// parent of each directory created is fsynced, so that the new entry
+// survives a crash.
+//
+// It returns dir open (O_RDONLY|O_DIRECTORY) and whether it created dir.
+// An existing dir is returned as it is, its attributes unchanged. A symlink
+// in any component is refused (ErrSymlink; ErrNotDir at dir itself).
+func MakeDir(dir string, mode fs.FileMode, uid, gid int) (*os.File, bool, error) {
 	dir = filepath.Clean(dir)
-	exists, err := DirExists(dir)
-	if err != nil || exists {
-		return err
-	}
-	parent := filepath.Dir(dir)
-	if parent != dir {
-		if err := MakeDir(parent, parentDirMode, -1, -1); err != nil {
-			return err
-		}
-	}
-	if err := os.Mkdir(dir, 0o700); err != nil && !errors.Is(err, fs.ErrExist) {
-		return err
-	}
 	d, err := OpenDir(dir)
+	if err == nil || !errors.Is(err, fs.ErrNotExist) {
+		return d, false, err
+	}
+	parentPath, name := filepath.Split(dir)
+	parentPath = filepath.Clean(parentPath)
+	var parent *os.File
+	if parentPath == "/" {
+		parent, err = OpenNoFollow("/", unix.O_RDONLY|unix.O_DIRECTORY)
+	} else {
+		parent, _, err = MakeDir(parentPath, parentDirMode, -1, -1)
+	}
 	if err != nil {
-		return err
+		return nil, false, err
 	}
-	defer d.Close()
+	defer parent.Close()
+	d, created, err := MakeDirAt(parent, name, mode, uid, gid)
+	if err != nil {
+		return nil, false, fmt.Errorf("%s: %w", dir, err)
+	}
+	return d, created, nil
+}
+
+// MakeDirAt creates the directory name in the open directory parent with
+// mode and owner (as MakeDir), fsyncs parent, and returns it open; an
+// existing directory is opened and returned as it is. name is one path
+// element; a symlink there is refused (ErrNotDir).
+func MakeDirAt(parent *os.File, name string, mode fs.FileMode, uid, gid int) (*os.File, bool, error) {
+	created := true
+	if err := unix.Mkdirat(int(parent.Fd()), name, 0o700); errors.Is(err, unix.EEXIST) {
+		created = false
+	} else if err != nil {
+		return nil, false, &fs.PathError{Op: "mkdir", Path: name, Err: err}
+	}
+	fd, err := unix.Openat(int(parent.Fd()), name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
+		return nil, false, fmt.Errorf("%s: %w", name, ErrNotDir)
+	}
+	if err != nil {
+		return nil, false, &fs.PathError{Op: "open", Path: name, Err: err}
+	}
+	d := os.NewFile(uintptr(fd), filepath.Join(parent.Name(), name))
+	if !created {
+		return d, false, nil
+	}
+	if err := StripACL(d); err != nil {
+		d.Close()
+		return nil, false, err
+	}
 	if err := SetDirAttrs(d, mode, uid, gid); err != nil {
-		return err
+		d.Close()
+		return nil, false, err
 	}
-	return SyncDir(parent)
+	if err := parent.Sync(); err != nil {
+		d.Close()
+		return nil, false, fmt.Errorf("fsync %s: %w", parent.Name(), err)
+	}
+	return d, true, nil
 }
 
 // SyncDir fsyncs the directory dir, making the entries created or removed
-// in it durable.
+// in it durable. dir is reached without following a symlink.
 func SyncDir(dir string) error {
-	d, err := os.Open(dir)
+	d, err := OpenNoFollow(dir, unix.O_RDONLY|unix.O_DIRECTORY)
 	if err != nil {
 		return err
 	}

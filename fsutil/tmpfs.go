@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"strconv"
 	"strings"
 
 	"github.com/moby/sys/mountinfo"
@@ -30,6 +31,9 @@ const tmpfsFlags = unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC
 type TmpfsOptions struct {
 	// Size is the size limit in bytes (tmpfs rounds it up to whole pages).
 	Size int64
+	// Inodes is the most files, directories and symlinks the tmpfs holds
+	// (nr_inodes); 0 leaves tmpfs's default (half the RAM's pages).
+	Inodes int64
 	// Mode is the permission of the tmpfs's root directory.
 	Mode fs.FileMode
 	// UID and GID own the root directory; -1 means 0 (root), tmpfs's
@@ -37,18 +41,20 @@ type TmpfsOptions struct {
 	UID, GID int
 }
 
-func (o TmpfsOptions) data(noswap bool) string {
-	data := fmt.Sprintf("size=%d,mode=%04o", o.Size, o.Mode.Perm())
+// settings returns the options as tmpfs's mount options (tmpfs(5)), in
+// order; noswap is added by the caller where the kernel has it.
+func (o TmpfsOptions) settings() [][2]string {
+	s := [][2]string{{"size", strconv.FormatInt(o.Size, 10)}, {"mode", fmt.Sprintf("%04o", o.Mode.Perm())}}
+	if o.Inodes > 0 {
+		s = append(s, [2]string{"nr_inodes", strconv.FormatInt(o.Inodes, 10)})
+	}
 	if o.UID >= 0 {
-		data += fmt.Sprintf(",uid=%d", o.UID)
+		s = append(s, [2]string{"uid", strconv.Itoa(o.UID)})
 	}
 	if o.GID >= 0 {
-		data += fmt.Sprintf(",gid=%d", o.GID)
+		s = append(s, [2]string{"gid", strconv.Itoa(o.GID)})
 	}
-	if noswap {
-		data += ",noswap"
-	}
-	return data
+	return s
 }
 
 // MountState is what is mounted at a mount directory.
@@ -64,17 +70,18 @@ const (
 	ForeignMount
 )
 
-// mountAt returns what is mounted at the open directory d, and its
+// MountAt returns what is mounted at the open directory d, and its
 // mountinfo entry when something is. A directory is a mount point when its
-// mount ID (statx STATX_MNT_ID) differs from its parent's; statfs alone is
-// not enough, as any directory under /run is on a tmpfs without being a
-// mount point (kubelet, emptyDir medium Memory).
-func mountAt(d *os.File) (MountState, *mountinfo.Info, error) {
+// mount ID (statx STATX_MNT_ID, Linux 5.8) differs from its parent's;
+// statfs alone is not enough, as any directory under /run is on a tmpfs
+// without being a mount point (kubelet, emptyDir medium Memory). d is the
+// root of what is mounted when something is.
+func MountAt(d *os.File) (MountState, *mountinfo.Info, error) {
 	var st, parent unix.Statx_t
 	if err := unix.Statx(int(d.Fd()), "", unix.AT_EMPTY_PATH, unix.STATX_MNT_ID, &st); err != nil {
 		return 0, nil, &fs.PathError{Op: "statx", Path: d.Name(), Err: err}
 	}
-	if err := unix.Statx(int(d.Fd()), "..", 0, unix.STATX_MNT_ID, &parent); err != nil {
+	if err := unix.Statx(int(d.Fd()), "..", unix.AT_SYMLINK_NOFOLLOW, unix.STATX_MNT_ID, &parent); err != nil {
 		return 0, nil, &fs.PathError{Op: "statx", Path: d.Name() + "/..", Err: err}
 	}
 	if st.Mask&unix.STATX_MNT_ID == 0 {
@@ -101,63 +108,99 @@ func mountAt(d *os.File) (MountState, *mountinfo.Info, error) {
 }
 
 // MountStateOf reports what is mounted at dir, which must be a real
-// directory (see OpenDir).
+// directory reached without a symlink (see OpenDir).
 func MountStateOf(dir string) (MountState, error) {
 	d, err := OpenDir(dir)
 	if err != nil {
 		return 0, err
 	}
 	defer d.Close()
-	state, _, err := mountAt(d)
+	state, _, err := MountAt(d)
 	return state, err
 }
 
-// MountTmpfs mounts a tmpfs of source TmpfsSource at dir with the options,
-// nosuid, nodev, noexec and, where the kernel supports it (Linux ≥ 6.4),
-// noswap, so that its content never reaches swap; an older kernel mounts
-// without noswap. If dir already holds kvmount's tmpfs it is remounted with
-// the options instead — its content stays, mounts are never stacked — and
-// the root directory is given the mode and owner with fchmod/fchown, which
-// a remount does not change. Another file system mounted at dir is refused
-// with ErrForeignMount before any mount call. dir is reached without
-// following a symlink (OpenDir).
-func MountTmpfs(dir string, o TmpfsOptions) error {
-	d, err := OpenDir(dir)
+// MountTmpfs mounts a new tmpfs of source TmpfsSource with the options on
+// the open directory d, which must not be a mount point already, and
+// returns the new tmpfs's root directory open. The mount is made with the
+// mount API (fsopen, fsmount, move_mount; Linux 5.2) onto d itself, so no
+// path is looked up again between the check of d and the mount, and the
+// root comes back as a handle. It is nosuid, nodev, noexec and, where the
+// kernel supports it (Linux ≥ 6.4), noswap, so that its content never
+// reaches swap. A mount point at d is refused before anything is mounted:
+// kvmount's own tmpfs (use RemountTmpfs) or ErrForeignMount.
+func MountTmpfs(d *os.File, o TmpfsOptions) (*os.File, error) {
+	state, info, err := MountAt(d)
 	if err != nil {
-		return err
-	}
-	defer d.Close()
-	state, info, err := mountAt(d)
-	if err != nil {
-		return err
+		return nil, err
 	}
 	switch state {
-	case ForeignMount:
-		return fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it alone", dir, ErrForeignMount, info.FSType, info.Source)
 	case OwnTmpfs:
-		// noswap cannot change on a remount: keep what the mount has.
-		noswap := hasOption(info.VFSOptions, "noswap")
-		target := ProcPath(d)
-		if err := unix.Mount(TmpfsSource, target, "tmpfs", tmpfsFlags|unix.MS_REMOUNT, o.data(noswap)); err != nil {
-			return &fs.PathError{Op: "remount tmpfs", Path: dir, Err: err}
-		}
-		root, err := OpenDir(dir)
-		if err != nil {
-			return err
-		}
-		defer root.Close()
-		return SetDirAttrs(root, o.Mode, o.UID, o.GID)
+		return nil, fmt.Errorf("%s: kvmount's tmpfs is mounted there already", d.Name())
+	case ForeignMount:
+		return nil, fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it alone", d.Name(), ErrForeignMount, info.FSType, info.Source)
 	}
-	target := ProcPath(d)
-	err = unix.Mount(TmpfsSource, target, "tmpfs", tmpfsFlags, o.data(true))
-	if errors.Is(err, unix.EINVAL) {
-		// A kernel before 6.4 does not know noswap.
-		err = unix.Mount(TmpfsSource, target, "tmpfs", tmpfsFlags, o.data(false))
-	}
+	fsfd, err := unix.Fsopen("tmpfs", unix.FSOPEN_CLOEXEC)
 	if err != nil {
-		return &fs.PathError{Op: "mount tmpfs", Path: dir, Err: err}
+		return nil, &fs.PathError{Op: "fsopen tmpfs", Path: d.Name(), Err: err}
 	}
-	return nil
+	defer unix.Close(fsfd)
+	if err := unix.FsconfigSetString(fsfd, "source", TmpfsSource); err != nil {
+		return nil, &fs.PathError{Op: "tmpfs option source", Path: d.Name(), Err: err}
+	}
+	for _, kv := range o.settings() {
+		if err := unix.FsconfigSetString(fsfd, kv[0], kv[1]); err != nil {
+			return nil, &fs.PathError{Op: "tmpfs option " + kv[0] + "=" + kv[1], Path: d.Name(), Err: err}
+		}
+	}
+	// A kernel before 6.4 does not know noswap.
+	_ = unix.FsconfigSetFlag(fsfd, "noswap")
+	if err := unix.FsconfigCreate(fsfd); err != nil {
+		return nil, &fs.PathError{Op: "create tmpfs", Path: d.Name(), Err: err}
+	}
+	mfd, err := unix.Fsmount(fsfd, unix.FSMOUNT_CLOEXEC, unix.MOUNT_ATTR_NOSUID|unix.MOUNT_ATTR_NODEV|unix.MOUNT_ATTR_NOEXEC)
+	if err != nil {
+		return nil, &fs.PathError{Op: "fsmount tmpfs", Path: d.Name(), Err: err}
+	}
+	defer unix.Close(mfd)
+	if err := unix.MoveMount(mfd, "", int(d.Fd()), "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
+		return nil, &fs.PathError{Op: "mount tmpfs", Path: d.Name(), Err: err}
+	}
+	fd, err := unix.Openat(mfd, ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open tmpfs root", Path: d.Name(), Err: err}
+	}
+	return os.NewFile(uintptr(fd), d.Name()), nil
+}
+
+// RemountTmpfs applies the options to kvmount's tmpfs whose root directory
+// is open as root — its content stays, mounts are never stacked — and gives
+// the root the mode and owner with fchmod/fchown, which a remount does not
+// change. noswap stays as it was mounted. Another file system is refused
+// with ErrForeignMount.
+func RemountTmpfs(root *os.File, o TmpfsOptions) error {
+	state, info, err := MountAt(root)
+	if err != nil {
+		return err
+	}
+	if state != OwnTmpfs {
+		what := "no mount point"
+		if info != nil {
+			what = fmt.Sprintf("%s of source %q", info.FSType, info.Source)
+		}
+		return fmt.Errorf("%s: %w (%s); kvmount leaves it alone", root.Name(), ErrForeignMount, what)
+	}
+	var data []string
+	for _, kv := range o.settings() {
+		data = append(data, kv[0]+"="+kv[1])
+	}
+	if hasOption(info.VFSOptions, "noswap") {
+		data = append(data, "noswap")
+	}
+	// The magic link names exactly the mount whose root root holds.
+	if err := unix.Mount(TmpfsSource, ProcPath(root), "tmpfs", tmpfsFlags|unix.MS_REMOUNT, strings.Join(data, ",")); err != nil {
+		return &fs.PathError{Op: "remount tmpfs", Path: root.Name(), Err: err}
+	}
+	return SetDirAttrs(root, o.Mode, o.UID, o.GID)
 }
 
 // hasOption reports whether the comma-separated options hold opt.
@@ -170,36 +213,24 @@ func hasOption(options, opt string) bool {
 	return false
 }
 
-// UnmountTmpfs unmounts kvmount's tmpfs at dir, if dir holds one, with
-// UMOUNT_NOFOLLOW. When the mount is busy (a process has a file open on it)
-// it is detached instead (MNT_DETACH): it disappears from dir now and is
-// freed when the last user closes it. A missing dir is no error; a symlink
-// at dir is refused (ErrNotDir), and another file system mounted at dir
-// (ErrForeignMount) is left mounted.
-func UnmountTmpfs(dir string) error {
-	d, err := OpenDir(dir)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	state, info, err := mountAt(d)
-	d.Close()
+// UnmountTmpfs detaches kvmount's tmpfs whose root directory is open as
+// root (umount2 with MNT_DETACH on the handle's /proc/self/fd path, so
+// that no path is looked up again): it disappears from the mount
+// directory at once and is freed when its last user — root itself among
+// them — closes it. Another file system is left mounted (ErrForeignMount);
+// a directory that is no mount point is no error.
+func UnmountTmpfs(root *os.File) error {
+	state, info, err := MountAt(root)
 	switch {
 	case err != nil:
 		return err
 	case state == NotMounted:
 		return nil
 	case state == ForeignMount:
-		return fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it mounted", dir, ErrForeignMount, info.FSType, info.Source)
+		return fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it mounted", root.Name(), ErrForeignMount, info.FSType, info.Source)
 	}
-	err = unix.Unmount(dir, unix.UMOUNT_NOFOLLOW)
-	if errors.Is(err, unix.EBUSY) {
-		err = unix.Unmount(dir, unix.UMOUNT_NOFOLLOW|unix.MNT_DETACH)
-	}
-	if err != nil {
-		return &fs.PathError{Op: "unmount", Path: dir, Err: err}
+	if err := unix.Unmount(ProcPath(root), unix.MNT_DETACH); err != nil {
+		return &fs.PathError{Op: "unmount", Path: root.Name(), Err: err}
 	}
 	return nil
 }

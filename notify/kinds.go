@@ -9,14 +9,11 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
-	"os"
-	"strconv"
 	"strings"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/command"
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/origin"
 )
 
 // runCommand runs a command entry with the change in its environment:
@@ -37,31 +34,6 @@ func runCommand(ctx context.Context, e config.Notify, c Change, log *slog.Logger
 	return nil
 }
 
-// sendSignal reads the PID file (at each notification: the service may
-// have restarted) and signals that process. A missing or malformed file, a
-// PID of 1 or below, or a process that is gone is an error naming them.
-func sendSignal(e config.Notify) error {
-	data, err := os.ReadFile(e.PIDFile)
-	if err != nil {
-		return fmt.Errorf("signal %s: pid_file: %w", unix.SignalName(e.Signal), err)
-	}
-	text := strings.TrimSpace(string(data))
-	pid, err := strconv.Atoi(text)
-	switch {
-	case err != nil:
-		return fmt.Errorf("signal %s: pid_file %s holds %q, not a process ID", unix.SignalName(e.Signal), e.PIDFile, text)
-	case pid <= 1:
-		return fmt.Errorf("signal %s: pid_file %s names PID %d; refusing to signal it", unix.SignalName(e.Signal), e.PIDFile, pid)
-	}
-	if err := unix.Kill(pid, e.Signal); err != nil {
-		if errors.Is(err, unix.ESRCH) {
-			return fmt.Errorf("signal %s: process %d (from %s) is not running", unix.SignalName(e.Signal), pid, e.PIDFile)
-		}
-		return fmt.Errorf("signal %s: process %d (from %s): %w", unix.SignalName(e.Signal), pid, e.PIDFile, err)
-	}
-	return nil
-}
-
 // webhookBody is what a webhook receives: which paths changed, never their
 // values.
 type webhookBody struct {
@@ -78,7 +50,9 @@ type webhookBody struct {
 const webhookBodyLimit = 512
 
 // postWebhook POSTs the change as JSON with the entry's headers; any
-// status but 2xx is an error.
+// status but 2xx is an error. Redirects follow origin.CheckRedirect: the
+// headers and header_files never reach another origin, and https never
+// falls back to http.
 func (n *Notifier) postWebhook(ctx context.Context, e config.Notify, c Change) error {
 	body, err := json.Marshal(webhookBody{Mount: c.Mount, Dir: c.Dir, Version: c.Version, Revision: c.Revision,
 		Added: nonNil(c.Added), Changed: nonNil(c.Changed), Removed: nonNil(c.Removed)})
@@ -98,7 +72,18 @@ func (n *Notifier) postWebhook(ctx context.Context, e config.Notify, c Change) e
 	for name, v := range e.HeaderFiles {
 		req.Header.Set(name, v.Reveal())
 	}
-	resp, err := n.opts.HTTPClient.Do(req)
+	// Configured headers may hold credentials: they go to the webhook's
+	// own origin only, as the HTTP source's do.
+	var names []string
+	for name := range e.Headers {
+		names = append(names, name)
+	}
+	for name := range e.HeaderFiles {
+		names = append(names, name)
+	}
+	client := *n.opts.HTTPClient
+	client.CheckRedirect = origin.CheckRedirect(names...)
+	resp, err := client.Do(req)
 	if err != nil {
 		return fmt.Errorf("webhook %s: %w", e.Target(), errors.Unwrap(err))
 	}

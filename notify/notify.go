@@ -7,8 +7,11 @@
 // mount — changes that arrive while one runs coalesce into one more, for
 // the newest version; a failed entry alone is retried with backoff (1 s
 // doubling to 2 min) until it succeeds or a newer version supersedes it; a
-// failure never rolls content back and never holds up another mount. Each
-// mount has its own worker goroutine, owned by the Notifier.
+// failure never rolls content back and never holds up another mount. An
+// entry's backoff holds for every version: a newer version notifies at
+// once unless that entry is failing, in which case it waits out the
+// entry's backoff first. Each mount has its own worker goroutine, owned by
+// the Notifier.
 package notify
 
 import (
@@ -16,6 +19,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"reflect"
 	"slices"
 	"sync"
 	"time"
@@ -68,8 +72,9 @@ type Options struct {
 	// OnResult, when set, is called after every attempt, from the mount's
 	// worker goroutine; it must not block for long.
 	OnResult func(Result)
-	// HTTPClient sends webhooks; nil means a client with no redirects to
-	// other origins, as http.DefaultClient otherwise.
+	// HTTPClient sends webhooks; nil means a client like
+	// http.DefaultClient. Its CheckRedirect is replaced, per entry, by
+	// origin.CheckRedirect.
 	HTTPClient *http.Client
 	// SystemdConn connects to systemd; nil means the system bus.
 	SystemdConn SystemdConnector
@@ -113,7 +118,7 @@ func (n *Notifier) SetMounts(mounts []*config.Mount) {
 		w := n.workers[m.Name]
 		if w == nil {
 			ctx, cancel := context.WithCancel(n.ctx)
-			w = &worker{n: n, mount: m.Name, wake: make(chan struct{}, 1), cancel: cancel}
+			w = &worker{n: n, mount: m.Name, wake: make(chan struct{}, 1), cancel: cancel, backoff: map[int]*entryBackoff{}}
 			n.workers[m.Name] = w
 			n.wg.Add(1)
 			go func() {
@@ -161,6 +166,20 @@ type worker struct {
 	mu      sync.Mutex
 	entries []config.Notify
 	pending *Change
+
+	// backoff is each entry's retry state, by index, across versions: an
+	// entry that failed waits out its backoff before its next attempt,
+	// for whatever version — so that newer versions arriving while a
+	// target keeps failing never make it run faster than the backoff.
+	// Only the worker's goroutine touches it.
+	backoff map[int]*entryBackoff
+}
+
+// entryBackoff is a failing entry's next allowed attempt and the delay
+// after its next failure.
+type entryBackoff struct {
+	next  time.Time
+	delay time.Duration
 }
 
 func (w *worker) setEntries(entries []config.Notify) {
@@ -196,6 +215,7 @@ func (w *worker) superseded() bool {
 }
 
 func (w *worker) run(ctx context.Context) {
+	var entries []config.Notify
 	for {
 		select {
 		case <-ctx.Done():
@@ -203,23 +223,34 @@ func (w *worker) run(ctx context.Context) {
 		case <-w.wake:
 		}
 		for {
-			c, entries := w.take()
+			c, now := w.take()
 			if c == nil {
 				break
+			}
+			if !slices.EqualFunc(entries, now, sameEntry) {
+				entries, w.backoff = now, map[int]*entryBackoff{} // a reload: start afresh
 			}
 			w.notify(ctx, *c, entries)
 		}
 	}
 }
 
+// sameEntry reports whether two entries are the same configuration.
+func sameEntry(a, b config.Notify) bool { return reflect.DeepEqual(a, b) }
+
 // notify runs entries for c in order. A failed entry is retried alone with
 // backoff; a newer change waiting ends the retries (it will be notified
-// from the first entry).
+// from the first entry, each entry still waiting out its backoff).
 func (w *worker) notify(ctx context.Context, c Change, entries []config.Notify) {
 	log := w.n.opts.Log.With("mount", c.Mount, "version", c.Version)
-	for _, e := range entries {
-		delay := RetryMin
+	for i, e := range entries {
 		for attempt := 1; ; attempt++ {
+			if !w.waitBackoff(ctx, i) {
+				if ctx.Err() == nil {
+					log.Info("notification superseded by a newer version", "kind", e.Kind, "target", e.Target())
+				}
+				return
+			}
 			start := time.Now()
 			err := w.n.run(ctx, e, c, log)
 			if ctx.Err() != nil {
@@ -230,30 +261,42 @@ func (w *worker) notify(ctx context.Context, c Change, entries []config.Notify) 
 				w.n.opts.OnResult(res)
 			}
 			if err == nil {
+				delete(w.backoff, i)
 				log.Info("notified", "kind", e.Kind, "target", e.Target(), "attempt", attempt, "duration", res.Duration)
 				break
 			}
-			log.Warn("notification failed; retrying", "kind", e.Kind, "target", e.Target(), "attempt", attempt, "retry_in", delay, "err", err)
-			t := time.NewTimer(delay)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return
-			case <-t.C:
-			case <-w.wake:
-				t.Stop()
-				// Put the wake-up back for run's loop.
-				select {
-				case w.wake <- struct{}{}:
-				default:
-				}
+			b := w.backoff[i]
+			if b == nil {
+				b = &entryBackoff{delay: RetryMin}
+				w.backoff[i] = b
+			} else {
+				b.delay = min(2*b.delay, RetryMax)
 			}
-			if w.superseded() {
-				log.Info("notification superseded by a newer version", "kind", e.Kind, "target", e.Target())
-				return
-			}
-			delay = min(2*delay, RetryMax)
+			b.next = time.Now().Add(b.delay)
+			log.Warn("notification failed; retrying", "kind", e.Kind, "target", e.Target(), "attempt", attempt, "retry_in", b.delay, "err", err)
 		}
+	}
+}
+
+// waitBackoff waits until entry i may be attempted again. It returns false,
+// at once, when a newer change waits or ctx is done; a wake-up without a
+// newer change (there is none to take) goes on waiting.
+func (w *worker) waitBackoff(ctx context.Context, i int) bool {
+	for {
+		if w.superseded() || ctx.Err() != nil {
+			return false
+		}
+		b := w.backoff[i]
+		if b == nil || !time.Now().Before(b.next) {
+			return true
+		}
+		t := time.NewTimer(time.Until(b.next))
+		select {
+		case <-ctx.Done():
+		case <-t.C:
+		case <-w.wake:
+		}
+		t.Stop()
 	}
 }
 
@@ -263,7 +306,7 @@ func (n *Notifier) run(ctx context.Context, e config.Notify, c Change, log *slog
 	case config.NotifyCommand:
 		return runCommand(ctx, e, c, log)
 	case config.NotifySignal:
-		return sendSignal(e)
+		return n.sendSignal(ctx, e)
 	case config.NotifySystemd:
 		return n.systemdJob(ctx, e)
 	case config.NotifyWebhook:

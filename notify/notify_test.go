@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
 const waitTimeout = 30 * time.Second
@@ -127,7 +128,7 @@ func TestSignalReachesTheProcess(t *testing.T) {
 }
 
 // TestSignalErrors: a missing PID file, PID 1 and a dead process are clear
-// errors.
+// errors; a file's content is never quoted.
 func TestSignalErrors(t *testing.T) {
 	dir := t.TempDir()
 	dead := exec.Command("true")
@@ -139,15 +140,243 @@ func TestSignalErrors(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	n := New(Options{Log: discard})
+	defer n.Close()
 	for file, want := range map[string]string{
 		"missing": "no such file",
 		"one":     "names PID 1; refusing to signal it",
 		"dead":    "is not running",
-		"junk":    `holds "nginx", not a process ID`,
+		"junk":    "does not hold a process ID",
 	} {
-		err := sendSignal(config.Notify{Kind: config.NotifySignal, Signal: syscall.SIGHUP, PIDFile: filepath.Join(dir, file)})
-		if err == nil || !strings.Contains(err.Error(), want) {
+		err := n.sendSignal(context.Background(), config.Notify{Kind: config.NotifySignal, Signal: syscall.SIGHUP, PIDFile: filepath.Join(dir, file)})
+		if err == nil || !strings.Contains(err.Error(), want) || strings.Contains(err.Error(), "nginx") {
 			t.Errorf("pid file %s: %v; want %q", file, err, want)
+		}
+	}
+}
+
+// TestHostilePIDFiles plays the review's third finding as a real
+// unprivileged user who writes the PID file: a symlink to a root-only file
+// (whose content must never reach an error), a PID file naming a root
+// process, a FIFO, /dev/zero and a huge file are all refused — nothing is
+// signalled, nothing blocks, nothing grows — and a PID file the user owns
+// is accepted only for a process in the named unit's control group.
+func TestHostilePIDFiles(t *testing.T) {
+	u := roottest.NewUser(t)
+	dir := filepath.Join(roottest.TempDir(t), "run")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	u.Chown(t, dir)
+	secret := filepath.Join(roottest.TempDir(t), "shadow")
+	if err := os.WriteFile(secret, []byte("12345 root:$6$hash\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// A root process the user would like kvmount to kill.
+	victim := exec.Command("sleep", "60")
+	if err := victim.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { victim.Process.Kill(); victim.Wait() })
+	pid := fmt.Sprint(victim.Process.Pid)
+	u.Run(t, "cd "+dir+" && ln -s "+secret+" link.pid && echo "+pid+" > root.pid && mkfifo fifo.pid && ln -s /dev/zero zero.pid && head -c 100000 /dev/zero | tr '\\0' 7 > huge.pid")
+	// A hard link to a root-owned file is no way around the owner check.
+	if err := os.WriteFile(filepath.Join(dir, "..", "root-owned.pid"), []byte(pid+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(filepath.Join(dir, "..", "root-owned.pid"), filepath.Join(dir, "linked.pid")); err != nil {
+		t.Fatal(err)
+	}
+	cgroup := testCgroup(t)
+	n := New(Options{Log: discard, SystemdConn: fakeConnector{fakeManager{calls: new([]string), result: "done", cgroups: map[string]string{"web.service": cgroup}}}})
+	defer n.Close()
+	for _, tt := range []struct{ file, unit, want string }{
+		{"link.pid", "", "a symlink"},
+		{"root.pid", "", "is owned by uid"},
+		{"root.pid", "web.service", "is not a process of unit web.service"},
+		{"fifo.pid", "", "not a regular file"},
+		{"zero.pid", "", "a symlink"},
+		{"huge.pid", "", "more than 32 bytes"},
+		{"linked.pid", "", "has 2 links"},
+	} {
+		done := make(chan error, 1)
+		go func() {
+			done <- n.sendSignal(context.Background(), config.Notify{Kind: config.NotifySignal, Signal: syscall.SIGTERM, PIDFile: filepath.Join(dir, tt.file), PIDUnit: tt.unit})
+		}()
+		select {
+		case err := <-done:
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("%s (unit %q): %v; want an error with %q", tt.file, tt.unit, err, tt.want)
+			}
+			if err != nil && (strings.Contains(err.Error(), "root:$6$") || strings.Contains(err.Error(), "12345")) {
+				t.Errorf("%s: the error quotes the file's content: %v", tt.file, err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: sendSignal blocked", tt.file)
+		}
+	}
+	if victim.ProcessState != nil || victim.Process.Signal(syscall.Signal(0)) != nil {
+		t.Fatal("the root process was signalled")
+	}
+	// The unit's own process, named in a PID file its user writes: signalled.
+	child := exec.Command("sh", "-c", "trap 'exit 0' HUP; while :; do sleep 0.05; done")
+	if err := child.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer child.Process.Kill()
+	if err := os.WriteFile(filepath.Join(cgroupRoot(t), cgroup, "cgroup.procs"), []byte(fmt.Sprint(child.Process.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	u.Run(t, "echo "+fmt.Sprint(child.Process.Pid)+" > "+filepath.Join(dir, "web.pid"))
+	if err := n.sendSignal(context.Background(), config.Notify{Kind: config.NotifySignal, Signal: syscall.SIGHUP, PIDFile: filepath.Join(dir, "web.pid"), PIDUnit: "web.service"}); err != nil {
+		t.Fatalf("the unit's own process: %v", err)
+	}
+	if err := child.Wait(); err != nil {
+		t.Errorf("the unit's process did not exit on SIGHUP: %v", err)
+	}
+}
+
+// cgroupRoot returns where the cgroup v2 hierarchy is mounted.
+func cgroupRoot(t *testing.T) string {
+	t.Helper()
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		if _, rest, ok := strings.Cut(line, " - "); ok && strings.HasPrefix(rest, "cgroup2 ") {
+			return strings.Fields(line)[4]
+		}
+	}
+	t.Fatal("no cgroup2 hierarchy is mounted")
+	return ""
+}
+
+// testCgroup makes a control group for the test's "unit" and returns its
+// path in the hierarchy; it is removed when the test ends.
+func testCgroup(t *testing.T) string {
+	t.Helper()
+	roottest.Require(t)
+	name := fmt.Sprintf("/kvmount-test-%d", os.Getpid())
+	path := filepath.Join(cgroupRoot(t), name)
+	if err := os.Mkdir(path, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for deadline := time.Now().Add(waitTimeout); os.Remove(path) != nil; time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Errorf("cannot remove the control group %s", path)
+				return
+			}
+		}
+	})
+	return name
+}
+
+// TestWebhookRedirects: the configured headers, which may hold
+// credentials, follow a redirect to the webhook's own origin only — the
+// review saw a 307 to another host receive X-Hook-Token — and a redirect
+// from https to http is refused.
+func TestWebhookRedirects(t *testing.T) {
+	type hit struct{ token, auth string }
+	var mu sync.Mutex
+	hits := map[string][]hit{}
+	record := func(name string) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			hits[name] = append(hits[name], hit{r.Header.Get("X-Hook-Token"), r.Header.Get("Authorization")})
+			mu.Unlock()
+		}
+	}
+	other := httptest.NewServer(record("other"))
+	defer other.Close()
+	plain := httptest.NewServer(record("plain"))
+	defer plain.Close()
+	var same *httptest.Server
+	same = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/to-other":
+			http.Redirect(w, r, other.URL+"/hook", http.StatusTemporaryRedirect)
+		case "/to-self":
+			http.Redirect(w, r, same.URL+"/final", http.StatusTemporaryRedirect)
+		default:
+			record("same")(w, r)
+		}
+	}))
+	defer same.Close()
+	secure := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, plain.URL+"/hook", http.StatusTemporaryRedirect)
+	}))
+	defer secure.Close()
+	token := filepath.Join(t.TempDir(), "token")
+	if err := os.WriteFile(token, []byte("s3cret\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sec, err := config.Parse("k.toml", []byte(fmt.Sprintf(`
+[sources.s]
+type = "x"
+[[mount]]
+name = "m"
+dir = "/srv/m"
+source = "s"
+prefix = "p/"
+  [[mount.notify]]
+  webhook = "http://unused/"
+  headers = { Authorization = "Bearer inline" }
+  header_files = { X-Hook-Token = %q }
+`, token)), map[string]config.SourceDecoder{"x": func(*config.Section) any { return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := sec.Mounts[0].Notify[0]
+	n := New(Options{Log: discard, HTTPClient: secure.Client()})
+	defer n.Close()
+	for _, url := range []string{same.URL + "/to-other", same.URL + "/to-self"} {
+		e.Webhook = url
+		if err := n.postWebhook(context.Background(), e, change("m", "v1")); err != nil {
+			t.Fatalf("%s: %v", url, err)
+		}
+	}
+	e.Webhook = secure.URL + "/hook"
+	if err := n.postWebhook(context.Background(), e, change("m", "v1")); err == nil || !strings.Contains(err.Error(), "refusing a redirect from https to http") {
+		t.Errorf("https → http: %v; want refused", err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if got := hits["other"]; len(got) != 1 || got[0] != (hit{}) {
+		t.Errorf("the other origin got %+v; want one request without the configured headers", got)
+	}
+	if got := hits["same"]; len(got) != 1 || got[0] != (hit{"s3cret", "Bearer inline"}) {
+		t.Errorf("the webhook's own origin got %+v; want the configured headers", got)
+	}
+	if got := hits["plain"]; len(got) != 0 {
+		t.Errorf("the http server got %+v after a redirect from https", got)
+	}
+}
+
+// TestFailingEntryNeverStorms: a failing entry keeps its backoff however
+// many newer versions arrive — the review saw 316 runs in 3 s once a newer
+// version had superseded one.
+func TestFailingEntryNeverStorms(t *testing.T) {
+	runs := filepath.Join(t.TempDir(), "runs")
+	n, r := start(t, "app", config.Notify{Kind: config.NotifyCommand, Command: []string{"sh", "-c", "echo x >> " + runs + "; exit 1"}, Timeout: 5 * time.Second})
+	n.Notify(change("app", "v0"))
+	r.waitFor(t, "a first failure", func(rs []Result) bool { return len(rs) == 1 })
+	stop := time.Now().Add(3500 * time.Millisecond)
+	for i := 1; time.Now().Before(stop); i++ {
+		n.Notify(change("app", fmt.Sprintf("v%d", i)))
+		time.Sleep(10 * time.Millisecond)
+	}
+	data, _ := os.ReadFile(runs)
+	// Attempts at 0, 1 s, 3 s: three within 3.5 s, and never closer
+	// together than the backoff.
+	if got := strings.Count(string(data), "x"); got > 3 {
+		t.Errorf("%d runs in 3.5 s; want at most 3 (backoff 1 s, then 2 s)", got)
+	}
+	rs := r.all()
+	for i := 1; i < len(rs); i++ {
+		if gap := rs[i].Time.Sub(rs[i-1].Time); gap < RetryMin-50*time.Millisecond {
+			t.Errorf("attempts %d and %d only %v apart", i, i+1, gap)
 		}
 	}
 }
@@ -285,8 +514,9 @@ func TestSystemdWithoutSystemd(t *testing.T) {
 // fakeManager stands in for systemd's D-Bus API, beside the real error
 // path above: it records the calls and answers with a job result.
 type fakeManager struct {
-	calls  *[]string
-	result string
+	calls   *[]string
+	result  string
+	cgroups map[string]string // unit → control group
 }
 
 func (f fakeManager) job(kind, name string, ch chan<- string) (int, error) {
@@ -302,6 +532,9 @@ func (f fakeManager) RestartUnitContext(_ context.Context, name, _ string, ch ch
 }
 func (f fakeManager) ReloadOrTryRestartUnitContext(_ context.Context, name, _ string, ch chan<- string) (int, error) {
 	return f.job("reload-or-try-restart", name, ch)
+}
+func (f fakeManager) ControlGroup(_ context.Context, unit string) (string, error) {
+	return f.cgroups[unit], nil
 }
 func (fakeManager) Close() {}
 

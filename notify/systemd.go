@@ -3,6 +3,7 @@ package notify
 import (
 	"context"
 	"fmt"
+	"path"
 
 	"github.com/coreos/go-systemd/v22/dbus"
 
@@ -21,6 +22,9 @@ type SystemdManager interface {
 	ReloadUnitContext(ctx context.Context, name, mode string, ch chan<- string) (int, error)
 	RestartUnitContext(ctx context.Context, name, mode string, ch chan<- string) (int, error)
 	ReloadOrTryRestartUnitContext(ctx context.Context, name, mode string, ch chan<- string) (int, error)
+	// ControlGroup returns the unit's control group, such as
+	// "/system.slice/nginx.service"; "" when it has none (not running).
+	ControlGroup(ctx context.Context, unit string) (string, error)
 	Close()
 }
 
@@ -28,7 +32,32 @@ type SystemdManager interface {
 type systemBus struct{}
 
 func (systemBus) Connect(ctx context.Context) (SystemdManager, error) {
-	return dbus.NewSystemConnectionContext(ctx)
+	conn, err := dbus.NewSystemConnectionContext(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return busManager{conn}, nil
+}
+
+// busManager is systemd's manager over D-Bus.
+type busManager struct{ *dbus.Conn }
+
+// unitTypes maps a unit name's suffix to the D-Bus interface that holds
+// its ControlGroup property (org.freedesktop.systemd1.Service, ...).
+var unitTypes = map[string]string{".service": "Service", ".scope": "Scope", ".socket": "Socket", ".mount": "Mount", ".swap": "Swap", ".slice": "Slice"}
+
+// ControlGroup reads the unit's ControlGroup property.
+func (m busManager) ControlGroup(ctx context.Context, unit string) (string, error) {
+	typ, ok := unitTypes[path.Ext(unit)]
+	if !ok {
+		return "", fmt.Errorf("%s: a unit of this type has no control group", unit)
+	}
+	p, err := m.GetUnitTypePropertyContext(ctx, unit, typ, "ControlGroup")
+	if err != nil {
+		return "", err
+	}
+	cg, _ := p.Value.Value().(string)
+	return cg, nil
 }
 
 // systemdJob asks systemd to reload or restart the entry's unit, with job

@@ -49,6 +49,9 @@ type Options struct {
 	MaxValueSize int64
 	// MaxSize is the largest payload accepted, in bytes; 0 for no limit.
 	MaxSize int64
+	// MaxFiles is the most files a payload may hold, rendered files
+	// included; 0 for no limit.
+	MaxFiles int
 	// Templates are rendered into the payload from the mount's keys (by
 	// their paths in the mount), each limited to MaxValueSize.
 	Templates []*Template
@@ -95,6 +98,9 @@ type origin struct {
 var (
 	ErrValueTooLarge = errors.New("max_value_size")
 	ErrMountTooLarge = errors.New("max_mount_size")
+	// ErrTooManyFiles is wrapped by the error of a payload with more
+	// files than Options.MaxFiles (the mount's max_files).
+	ErrTooManyFiles = errors.New("max_files")
 )
 
 // MakePayload builds the payload of mount from its projections with the
@@ -109,8 +115,8 @@ var (
 // and "x"), the later in byte order is skipped, its error naming both. The returned
 // error is for what fails the whole mount, so that its last content stays:
 // a missing prefix or item key that is not optional, two projections
-// producing the same path, a value over opts.MaxValueSize or a payload over
-// opts.MaxSize.
+// producing the same path, a value over opts.MaxValueSize, a payload over
+// opts.MaxSize, or one with more files than opts.MaxFiles.
 func MakePayload(mount string, projections []Projection, opts Options) (Payload, []*KeyError, error) {
 	payload := Payload{}
 	owner := map[string]origin{} // path → the projection and key that produced it
@@ -139,6 +145,9 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 					return nil
 				}
 				return fmt.Errorf("mount %q: path %q comes from both source %q key %q and source %q key %q", mount, clean, projections[by.projection].Source, by.key, pr.Source, pr.Prefix+key)
+			}
+			if opts.MaxFiles > 0 && len(payload) >= opts.MaxFiles {
+				return fmt.Errorf("mount %q: the payload has more than %d files (%w)", mount, opts.MaxFiles, ErrTooManyFiles)
 			}
 			owner[clean] = origin{projection: i, key: pr.Prefix + key}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
@@ -187,6 +196,9 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 		if payload, err = renderTemplates(mount, payload, owner, opts); err != nil {
 			return nil, nil, err
 		}
+	}
+	if opts.MaxFiles > 0 && len(payload) > opts.MaxFiles {
+		return nil, nil, fmt.Errorf("mount %q: the payload has %d files, more than %w (%d)", mount, len(payload), ErrTooManyFiles, opts.MaxFiles)
 	}
 	if opts.MaxSize > 0 {
 		if size := payload.Size(); size > opts.MaxSize {

@@ -113,8 +113,10 @@ type WriterOptions struct {
 // created, changed or removed. An AtomicWriter is not safe for concurrent
 // use; one writer owns a mount directory.
 type AtomicWriter struct {
-	dir     string
-	root    *os.Root
+	dir  string
+	root *os.Root
+	// ident identifies the directory root holds.
+	ident   fsutil.Ident
 	opts    WriterOptions
 	adopted bool
 	// current is the version on disk, or nil when the directory is empty or
@@ -146,16 +148,28 @@ type version struct {
 // nothing yet; Adopt or the first Write inspects the directory. The writer
 // holds dir open until Close.
 //
-// dir is opened without following a symlink at its last element
+// dir is opened without following a symlink in any component
 // (fsutil.OpenDir): a mount directory replaced by a symlink is refused with
-// an error wrapping fsutil.ErrNotDir, and nothing behind the symlink is
-// read or touched.
+// an error wrapping fsutil.ErrNotDir (fsutil.ErrSymlink for a symlink in a
+// parent), and nothing behind the symlink is read or touched.
 func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
 	d, err := fsutil.OpenDir(dir)
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
 	defer d.Close()
+	return OpenAtomicWriterAt(dir, d, opts)
+}
+
+// OpenAtomicWriterAt returns a writer for the directory d holds open, whose
+// path is dir (for errors, and to find out later whether the path still
+// reaches it). d stays the caller's to close; the writer opens its own
+// handle on the same directory.
+func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWriter, error) {
+	ident, err := fsutil.IdentOf(d)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
 	root, err := os.OpenRoot(fsutil.ProcPath(d))
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
@@ -166,7 +180,7 @@ func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
 	if opts.Grace <= 0 {
 		opts.Grace = DefaultGrace
 	}
-	return &AtomicWriter{dir: dir, root: root, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
+	return &AtomicWriter{dir: dir, root: root, ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
 }
 
 // SetCheck replaces WriterOptions.Check for the following writes.
@@ -220,15 +234,12 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	change := Diff(old, payload)
 	oldDirs := dirHandles{}
 	defer oldDirs.close()
-	name, built, err := w.buildVersion(payload, oldDirs)
-	if errors.Is(err, syscall.ENOSPC) && len(w.retired) > 0 {
-		// The file system is full: the replaced versions kept for
-		// readers give way, and the build is tried once more.
-		if rerr := w.RemoveReplaced(); rerr != nil {
-			return Change{}, rerr
-		}
+	var name string
+	var built os.FileInfo
+	err = w.makingRoom(func() (err error) {
 		name, built, err = w.buildVersion(payload, oldDirs)
-	}
+		return err
+	})
 	if err != nil {
 		return Change{}, err
 	}
@@ -240,15 +251,25 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	}
 	// New visible names dangle until the switch, then resolve: a crash at
 	// any point leaves every name of the current version visible.
-	if err := w.addVisible(payload); err != nil {
+	if err := w.makingRoom(func() error { return w.addVisible(payload) }); err != nil {
 		_ = w.root.RemoveAll(name)
 		return Change{}, err
 	}
-	switched, err := w.switchTo(name, built)
+	var switched bool
+	var syncErr error // of a switch that happened
+	err = w.makingRoom(func() error {
+		var err error
+		if switched, err = w.switchTo(name, built); switched {
+			syncErr = err
+			return nil
+		}
+		return err
+	})
 	if !switched {
 		_ = w.root.RemoveAll(name)
 		return Change{}, err
 	}
+	err = syncErr
 	previous := w.current
 	w.current = &version{name: name, payload: payload}
 	w.rebuildDirs = false
@@ -267,6 +288,20 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		return change, w.removeLeftovers(name)
 	}
 	return change, w.retire(previous, oldDirs)
+}
+
+// makingRoom runs step; when it finds the file system full (ENOSPC: out of
+// space, or of inodes on a tmpfs with nr_inodes) while replaced versions
+// are kept for readers, they give way and step is tried once more.
+func (w *AtomicWriter) makingRoom(step func() error) error {
+	err := step()
+	if errors.Is(err, syscall.ENOSPC) && len(w.retired) > 0 {
+		if rerr := w.RemoveReplaced(); rerr != nil {
+			return rerr
+		}
+		err = step()
+	}
+	return err
 }
 
 // switchTo makes name, the directory built, the current version:

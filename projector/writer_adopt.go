@@ -4,10 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path"
 	"strings"
 	"syscall"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // What the atomic writer does with a mount directory it did not just write:
@@ -197,19 +198,22 @@ func (w *AtomicWriter) verify() error {
 	return nil
 }
 
-// sameDir checks that the mount directory's path still names the directory
-// the writer holds open: removed or replaced by hand, the writer would
-// otherwise write into a directory nobody sees.
+// sameDir checks that the mount directory's path still reaches the
+// directory the writer holds, without following a symlink in any
+// component: removed or replaced by hand, the writer would otherwise write
+// into a directory nobody sees. Whether a replacement may be taken over is
+// not the writer's call: a reopen decides (Medium.Prepare).
 func (w *AtomicWriter) sameDir() error {
-	byPath, err := os.Lstat(w.dir)
+	d, err := fsutil.OpenDir(w.dir)
 	if err != nil {
 		return fmt.Errorf("mount directory: %w", err)
 	}
-	held, err := w.root.Stat(".")
+	defer d.Close()
+	ident, err := fsutil.IdentOf(d)
 	if err != nil {
 		return fmt.Errorf("mount directory: %w", err)
 	}
-	if !os.SameFile(byPath, held) {
+	if ident != w.ident {
 		return errors.New("mount directory was removed or replaced")
 	}
 	return nil

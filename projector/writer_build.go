@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // Building a version directory through directory handles, and the visible
@@ -38,10 +40,11 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		return "", nil, err
 	}
 	newDirs := dirHandles{}
+	partial := name // the returns below clear name
 	defer func() {
 		newDirs.close()
 		if err != nil {
-			_ = w.root.RemoveAll(name)
+			_ = w.root.RemoveAll(partial)
 		}
 	}()
 	if newDirs["."], err = w.openVersion(name); err != nil {
@@ -183,16 +186,22 @@ func (w *AtomicWriter) mkVersionDir() (string, error) {
 	return "", fmt.Errorf("atomic writer: %s: no free version directory name", w.dir)
 }
 
-// mkdir creates one directory with the writer's mode and owner.
+// mkdir creates one version directory with the writer's mode and owner,
+// and without the POSIX ACL that a default ACL on the mount directory would
+// give it: what is created in it then inherits none either, so every file
+// and directory of a version carries exactly its owner and mode.
 func (w *AtomicWriter) mkdir(name string) error {
 	if err := w.root.Mkdir(name, 0o700); err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
-	d, err := w.root.Open(name)
+	d, err := w.root.OpenFile(name, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
 	defer d.Close()
+	if err := fsutil.StripACL(d); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
 	return w.chmodChownDir(d)
 }
 

@@ -183,10 +183,12 @@ func TestReplacedVersionsMakeRoom(t *testing.T) {
 	}
 	roottest.UnmountAtEnd(t, dir)
 	const limit = 64 << 10
-	if err := fsutil.MountTmpfs(dir, fsutil.TmpfsOptions{Size: 3 * limit, Mode: 0o755, UID: -1, GID: -1}); err != nil {
+	md, err := (Medium{Dir: dir, Tmpfs: true, SizeLimit: limit, Mode: 0o755, UID: -1, GID: -1}).Prepare(Owner{}, func(bool) error { return nil })
+	if err != nil {
 		t.Fatal(err)
 	}
-	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
+	defer md.File.Close()
+	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}

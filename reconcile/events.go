@@ -47,7 +47,10 @@ type FailedEvent struct {
 	Mount, Op string
 	Err       error
 	// Guard names the guard rail that refused the version, if one did:
-	// "check_command" or "size_limit".
+	// "check_command" or "size_limit"; or "mount_dir_replaced" when the
+	// mount directory's path reaches another directory than the one
+	// kvmount owns, or passes through a symlink (fsutil.ErrReplaced,
+	// ErrSymlink, ErrNotDir), which kvmount refuses.
 	Guard   string
 	Attempt int
 	RetryIn time.Duration
@@ -59,8 +62,8 @@ type FailedEvent struct {
 type HeldBackEvent struct {
 	Mount string
 	// Guard is "min_keys" or "allow_empty" (the reconciler held back a
-	// built payload), or "max_value_size" or "max_mount_size" (the
-	// populator could not build it).
+	// built payload), or "max_value_size", "max_mount_size" or
+	// "max_files" (the populator could not build it).
 	Guard, Reason, Revision string
 	Time                    time.Time
 }

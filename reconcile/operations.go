@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"strings"
 	"syscall"
@@ -85,7 +86,8 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 
 // medium returns spec's medium.
 func medium(spec *config.Mount) projector.Medium {
-	return projector.Medium{Dir: spec.Dir, Tmpfs: spec.Medium == config.MediumTmpfs, SizeLimit: spec.SizeLimit, Mode: spec.DirMode, UID: spec.UID, GID: spec.GID}
+	return projector.Medium{Dir: spec.Dir, Tmpfs: spec.Medium == config.MediumTmpfs, SizeLimit: spec.SizeLimit, MaxFiles: spec.MaxFiles,
+		Mode: spec.DirMode, UID: spec.UID, GID: spec.GID}
 }
 
 // project writes payload into the mount, opening (and adopting) its
@@ -178,22 +180,29 @@ func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) fun
 // mount as owned and adopts what the directory holds. A directory or tmpfs
 // kvmount is about to create is recorded first, so that a crash in between
 // leaves nothing unowned. In a directory kvmount already owned, entries it
-// did not make are drift: they are removed and logged.
+// did not make are drift: they are removed and logged. A path that now
+// reaches another directory than the one recorded is refused
+// (fsutil.ErrReplaced): kvmount never takes over whatever a user who can
+// write a parent put there.
 func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	rec := Record{Dir: spec.Dir, Medium: spec.Medium}
 	old, owned := r.owned.Get(name)
-	owned = owned && old.Dir == spec.Dir
+	owned = owned && old.Dir == spec.Dir && old.Medium == spec.Medium
+	var owner projector.Owner
 	if owned {
-		rec.CreatedDir = old.CreatedDir
+		rec.CreatedDir, owner = old.CreatedDir, old.owner()
+		rec.Ident, rec.TmpfsIdent = old.Ident, old.TmpfsIdent
 	}
-	_, err := medium(spec).Prepare(func(createDir bool) error {
+	md, err := medium(spec).Prepare(owner, func(createDir bool) error {
 		rec.CreatedDir = rec.CreatedDir || createDir
 		return r.owned.Set(name, rec)
 	})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
-	w, err := projector.OpenAtomicWriter(spec.Dir, projector.WriterOptions{
+	defer md.File.Close()
+	rec.Ident, rec.TmpfsIdent = md.Owner.Dir, md.Owner.Tmpfs
+	w, err := projector.OpenAtomicWriterAt(spec.Dir, md.File, projector.WriterOptions{
 		Sync:    spec.Medium == config.MediumDisk,
 		DirMode: spec.DirMode,
 		DirUID:  spec.UID,
@@ -228,36 +237,49 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 // its tmpfs, removes the directory too if kvmount created it, and forgets
 // the mount.
 //
-// A mount directory that has become a symlink is refused with an error:
-// nothing behind it is read, removed or unmounted.
+// The directory is reached without following a symlink in any component
+// and must be the one recorded: a symlink, or another directory where the
+// mount was (someone who can write a parent replaced it), is left
+// untouched — nothing behind it is read, removed or unmounted — and the
+// mount is forgotten with a warning, since nothing kvmount wrote is
+// reachable there.
 func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 	dir := a.Dir
 	rec, known := r.owned.Get(name)
-	exists, err := fsutil.DirExists(dir)
-	if err != nil {
-		return fmt.Errorf("mount %q: refusing to tear down: %w; nothing behind it was touched", name, err)
+	if !known || rec.Dir != dir {
+		rec = Record{Dir: dir, Medium: a.Medium}
 	}
-	if !exists {
+	closeWriter := func() {
 		if rt.writer != nil {
 			rt.writer.Close()
 			rt.writer, rt.spec, rt.written = nil, nil, nil
 		}
+	}
+	m := projector.Medium{Dir: dir, Tmpfs: a.Medium == config.MediumTmpfs}
+	d, err := m.Open(rec.owner())
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		closeWriter()
 		return r.owned.Delete(name)
+	case errors.Is(err, fsutil.ErrReplaced) || errors.Is(err, fsutil.ErrSymlink) || errors.Is(err, fsutil.ErrNotDir):
+		closeWriter()
+		r.log.Warn("mount directory replaced by someone else: left untouched, and the mount forgotten", "mount", name, "dir", dir, "err", err)
+		return r.owned.Delete(name)
+	case err != nil:
+		return fmt.Errorf("mount %q: refusing to tear down: %w", name, err)
 	}
-	if rt.writer == nil {
-		w, err := projector.OpenAtomicWriter(dir, projector.WriterOptions{DirUID: -1, DirGID: -1})
-		if err != nil {
-			return fmt.Errorf("mount %q: %w", name, err)
-		}
-		rt.writer = w
+	closeWriter()
+	w, err := projector.OpenAtomicWriterAt(dir, d, projector.WriterOptions{DirUID: -1, DirGID: -1})
+	d.Close()
+	if err != nil {
+		return fmt.Errorf("mount %q: %w", name, err)
 	}
+	rt.writer = w
 	if err := rt.writer.Teardown(); err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
-	rt.writer.Close()
-	rt.writer, rt.spec, rt.written = nil, nil, nil
-	m := projector.Medium{Dir: dir, Tmpfs: a.Medium == config.MediumTmpfs}
-	err = m.Release(known && rec.CreatedDir && rec.Dir == dir)
+	closeWriter()
+	err = m.Release(rec.owner(), known && rec.CreatedDir && rec.Dir == dir)
 	switch {
 	case errors.Is(err, projector.ErrDirKept):
 		r.log.Warn("mount directory kept: it holds files kvmount did not write", "mount", name, "dir", dir, "err", err)

@@ -13,6 +13,7 @@ import (
 	"github.com/google/renameio/v2"
 
 	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/projector"
 )
 
 // ownedFile is the name of the record of owned mounts in the state
@@ -28,6 +29,28 @@ type Record struct {
 	// CreatedDir reports that kvmount created Dir and removes it on
 	// teardown.
 	CreatedDir bool `json:"created_dir"`
+	// Ident identifies Dir on its parent's file system (for a tmpfs
+	// mount, the directory the tmpfs is mounted on), and TmpfsIdent the
+	// root of kvmount's tmpfs there: a path that reaches another
+	// directory is refused, never taken over. Nil in a record written
+	// before kvmount recorded them: the next setup records what it finds.
+	Ident      *fsutil.Ident `json:"ident,omitempty"`
+	TmpfsIdent *fsutil.Ident `json:"tmpfs_ident,omitempty"`
+}
+
+// owner returns what r records to recognise the mount directory.
+func (r Record) owner() projector.Owner {
+	return projector.Owner{Dir: r.Ident, Tmpfs: r.TmpfsIdent}
+}
+
+// same reports whether r and q record the same thing.
+func (r Record) same(q Record) bool {
+	return r.Dir == q.Dir && r.Medium == q.Medium && r.CreatedDir == q.CreatedDir &&
+		sameIdent(r.Ident, q.Ident) && sameIdent(r.TmpfsIdent, q.TmpfsIdent)
+}
+
+func sameIdent(a, b *fsutil.Ident) bool {
+	return a == b || a != nil && b != nil && *a == *b
 }
 
 // Owned is the record of the mounts kvmount owns, kept in the state
@@ -107,7 +130,7 @@ func (o *Owned) Get(name string) (Record, bool) {
 func (o *Owned) Set(name string, r Record) error {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	if old, ok := o.records[name]; ok && old == r && o.saveErr == nil {
+	if old, ok := o.records[name]; ok && old.same(r) && o.saveErr == nil {
 		return nil // on disk already
 	}
 	o.records[name] = r

@@ -292,7 +292,7 @@ func (p *Populator) populate(pm *populated) bool {
 		d.ChangedAt = time.Now()
 		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
 			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
-			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize,
+			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles,
 			Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles, Renders: &pm.renders,
 		})
 		if err != nil {
@@ -323,8 +323,9 @@ func (p *Populator) freeze(pm *populated) {
 	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
 }
 
-// reportTooLarge tells the observer of a payload that max_value_size or
-// max_mount_size kept from replacing the mount's content (HeldBackEvent);
+// reportTooLarge tells the observer of a payload that max_value_size,
+// max_mount_size or max_files kept from replacing the mount's content
+// (HeldBackEvent);
 // the log line comes from reportState.
 func (p *Populator) reportTooLarge(mount string, d *DesiredMount, err error) {
 	guard := ""
@@ -333,6 +334,8 @@ func (p *Populator) reportTooLarge(mount string, d *DesiredMount, err error) {
 		guard = "max_value_size"
 	case errors.Is(err, projector.ErrMountTooLarge):
 		guard = "max_mount_size"
+	case errors.Is(err, projector.ErrTooManyFiles):
+		guard = "max_files"
 	default:
 		return
 	}

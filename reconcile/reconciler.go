@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
 )
@@ -394,6 +395,8 @@ func guardOf(err error) string {
 		return "check_command"
 	case errors.Is(err, errTooLarge):
 		return "size_limit"
+	case errors.Is(err, fsutil.ErrReplaced) || errors.Is(err, fsutil.ErrSymlink) || errors.Is(err, fsutil.ErrNotDir):
+		return "mount_dir_replaced"
 	}
 	return ""
 }

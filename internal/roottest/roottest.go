@@ -4,8 +4,16 @@ package roottest
 
 import (
 	"bufio"
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
 	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -53,4 +61,115 @@ func UnmountAtEnd(tb testing.TB, dir string) {
 			}
 		}
 	})
+}
+
+// ACL entry tags (include/uapi/linux/posix_acl.h).
+const (
+	ACLUserObj  = 0x01
+	ACLUser     = 0x02
+	ACLGroupObj = 0x04
+	ACLGroup    = 0x08
+	ACLMask     = 0x10
+	ACLOther    = 0x20
+)
+
+// ACLEntry is one entry of a POSIX ACL.
+type ACLEntry struct {
+	Tag, Perm uint16
+	ID        uint32
+}
+
+// SetACL sets the POSIX ACL of path — the access ACL, or with dflt the
+// default ACL of a directory — as setfacl(1) would, by writing its
+// extended attribute (acl(5)), so that tests need no acl package.
+func SetACL(tb testing.TB, path string, dflt bool, entries ...ACLEntry) {
+	tb.Helper()
+	b := binary.LittleEndian.AppendUint32(nil, 2)
+	for _, e := range entries {
+		b = binary.LittleEndian.AppendUint16(b, e.Tag)
+		b = binary.LittleEndian.AppendUint16(b, e.Perm)
+		b = binary.LittleEndian.AppendUint32(b, e.ID)
+	}
+	name := "system.posix_acl_access"
+	if dflt {
+		name = "system.posix_acl_default"
+	}
+	if err := unix.Setxattr(path, name, b, 0); err != nil {
+		tb.Fatalf("set the ACL of %s: %v", path, err)
+	}
+}
+
+// User is a throw-away unprivileged local user that a test creates to act
+// as an attacker on the host (the threat model's local non-root user).
+type User struct {
+	Name     string
+	UID, GID int
+}
+
+// NewUser creates a system user with its own group and no home, login or
+// password (useradd(8)), and removes both when the test ends.
+func NewUser(tb testing.TB) User {
+	tb.Helper()
+	Require(tb)
+	var rnd [4]byte
+	if _, err := rand.Read(rnd[:]); err != nil {
+		tb.Fatal(err)
+	}
+	name := fmt.Sprintf("kvmt%x", rnd)
+	out, err := exec.Command("useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", name).CombinedOutput()
+	if err != nil {
+		tb.Fatalf("useradd %s: %v: %s", name, err, out)
+	}
+	tb.Cleanup(func() {
+		if out, err := exec.Command("userdel", name).CombinedOutput(); err != nil {
+			tb.Errorf("userdel %s: %v: %s", name, err, out)
+		}
+	})
+	u, err := user.Lookup(name)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return User{Name: name, UID: uid, GID: gid}
+}
+
+// Command returns a command that runs as u, in no supplementary group.
+func (u User) Command(name string, args ...string) *exec.Cmd {
+	cmd := exec.Command(name, args...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(u.UID), Gid: uint32(u.GID), Groups: []uint32{}}}
+	cmd.Env = []string{"PATH=/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/nonexistent"}
+	return cmd
+}
+
+// Run runs a shell script as u and fails the test when it fails.
+func (u User) Run(tb testing.TB, script string) string {
+	tb.Helper()
+	out, err := u.Command("sh", "-c", script).CombinedOutput()
+	if err != nil {
+		tb.Fatalf("as %s: %s: %v: %s", u.Name, script, err, out)
+	}
+	return string(out)
+}
+
+// Chown gives path to u.
+func (u User) Chown(tb testing.TB, path string) {
+	tb.Helper()
+	if err := os.Lchown(path, u.UID, u.GID); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// TempDir returns t.TempDir() with it and its parent made 0755, so that an
+// unprivileged User can reach what a test puts there (t.TempDir's are
+// 0700). Both stay root's.
+func TempDir(tb testing.TB) string {
+	tb.Helper()
+	dir := tb.TempDir()
+	for _, d := range []string{filepath.Dir(dir), dir} {
+		if err := os.Chmod(d, 0o755); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	return dir
 }

@@ -29,6 +29,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/origin"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -161,54 +162,16 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		cfg:  cfg,
 		log:  log,
 	}
-	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: s.checkRedirect}
+	var credentialHeaders []string
+	for name := range cfg.Headers {
+		credentialHeaders = append(credentialHeaders, name)
+	}
+	for name := range cfg.HeaderFiles {
+		credentialHeaders = append(credentialHeaders, name)
+	}
+	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: origin.CheckRedirect(credentialHeaders...)}
 	s.fanout = source.NewFanout(s.poll)
 	return s, nil
-}
-
-// maxRedirects is how many redirects one request follows, as net/http's
-// default policy.
-const maxRedirects = 10
-
-// checkRedirect is the client's redirect policy. The configured headers
-// (headers and header_files, which may carry credentials) go only to the
-// configured origin — the same scheme, host and port as url
-// (RFC 6454 §4): a redirect elsewhere is followed without them. A redirect
-// from https to http is refused, as it would send the request, and what
-// it reveals, in clear text. net/http itself strips only Authorization,
-// WWW-Authenticate and Cookie on a redirect to another domain.
-func (s *Source) checkRedirect(req *http.Request, via []*http.Request) error {
-	if len(via) >= maxRedirects {
-		return fmt.Errorf("stopped after %d redirects", maxRedirects)
-	}
-	first := via[0].URL
-	if first.Scheme == "https" && req.URL.Scheme != "https" {
-		return fmt.Errorf("refusing a redirect from https to %s (%s)", req.URL.Scheme, redact(req.URL.String()))
-	}
-	if origin(req.URL) != origin(first) {
-		for name := range s.cfg.Headers {
-			req.Header.Del(name)
-		}
-		for name := range s.cfg.HeaderFiles {
-			req.Header.Del(name)
-		}
-	}
-	return nil
-}
-
-// origin returns scheme://host:port of u, with the scheme's default port
-// made explicit, so that "https://h" and "https://h:443" are one origin.
-func origin(u *url.URL) string {
-	port := u.Port()
-	if port == "" {
-		switch u.Scheme {
-		case "http":
-			port = "80"
-		case "https":
-			port = "443"
-		}
-	}
-	return strings.ToLower(u.Scheme) + "://" + strings.ToLower(u.Hostname()) + ":" + port
 }
 
 func tlsConfig(t config.TLS) (*tls.Config, error) {
@@ -319,7 +282,7 @@ func (s *Source) poll(ctx context.Context) {
 			wait = source.Jitter(s.cfg.PollInterval)
 		}
 		if err != nil {
-			s.log.Warn("source unavailable, keeping last content", "url", redact(s.cfg.URL), "err", err, "retry_in", wait)
+			s.log.Warn("source unavailable, keeping last content", "url", origin.Redact(s.cfg.URL), "err", err, "retry_in", wait)
 		}
 		s.set(doc, err)
 		v = next
@@ -367,7 +330,7 @@ func (s *Source) fetch(ctx context.Context, v *validators) (*document, validator
 	}
 	resp, err := s.client.Do(req)
 	if err != nil {
-		return nil, *v, fmt.Errorf("source/http: GET %s: %w", redact(s.cfg.URL), unwrapURLError(err))
+		return nil, *v, fmt.Errorf("source/http: GET %s: %w", origin.Redact(s.cfg.URL), unwrapURLError(err))
 	}
 	defer func() {
 		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, s.cfg.MaxBodySize))
@@ -391,20 +354,20 @@ func (s *Source) fetch(ctx context.Context, v *validators) (*document, validator
 		if wait, ok := retryAfter(resp.Header.Get("Retry-After"), time.Now()); ok {
 			return nil, *v, &retryAfterError{status: resp.StatusCode, wait: wait}
 		}
-		return nil, *v, fmt.Errorf("source/http: GET %s: %s", redact(s.cfg.URL), resp.Status)
+		return nil, *v, fmt.Errorf("source/http: GET %s: %s", origin.Redact(s.cfg.URL), resp.Status)
 	default:
-		return nil, *v, fmt.Errorf("source/http: GET %s: %s", redact(s.cfg.URL), resp.Status)
+		return nil, *v, fmt.Errorf("source/http: GET %s: %s", origin.Redact(s.cfg.URL), resp.Status)
 	}
 	body, err := io.ReadAll(io.LimitReader(resp.Body, s.cfg.MaxBodySize+1))
 	if err != nil {
-		return nil, *v, fmt.Errorf("source/http: GET %s: %w", redact(s.cfg.URL), err)
+		return nil, *v, fmt.Errorf("source/http: GET %s: %w", origin.Redact(s.cfg.URL), err)
 	}
 	if int64(len(body)) > s.cfg.MaxBodySize {
-		return nil, *v, fmt.Errorf("source/http: GET %s: body larger than max_body_size (%d bytes)", redact(s.cfg.URL), s.cfg.MaxBodySize)
+		return nil, *v, fmt.Errorf("source/http: GET %s: body larger than max_body_size (%d bytes)", origin.Redact(s.cfg.URL), s.cfg.MaxBodySize)
 	}
 	entries, err := s.parse(body)
 	if err != nil {
-		return nil, *v, fmt.Errorf("source/http: %s: %w", redact(s.cfg.URL), err)
+		return nil, *v, fmt.Errorf("source/http: %s: %w", origin.Redact(s.cfg.URL), err)
 	}
 	revision := next.etag
 	if revision == "" {
@@ -505,15 +468,6 @@ func retryAfter(value string, now time.Time) (time.Duration, bool) {
 		return 0, false
 	}
 	return min(max(d, time.Second), MaxRetryAfter), true
-}
-
-// redact drops the user information of a URL, for logs and errors.
-func redact(raw string) string {
-	u, err := url.Parse(raw)
-	if err != nil {
-		return "(unparsable URL)"
-	}
-	return u.Redacted()
 }
 
 // unwrapURLError drops *url.Error's own rendering of the URL, which would

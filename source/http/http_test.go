@@ -4,8 +4,10 @@ import (
 	"encoding/pem"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"strings"
 	"sync"
@@ -15,6 +17,7 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -445,5 +448,43 @@ func TestRedirectsKeepSecretHeadersAtHome(t *testing.T) {
 	})
 	if n := elsewhere.requests.Load() - before; n != 0 {
 		t.Errorf("the http server got %d requests after an https redirect", n)
+	}
+}
+
+// TestCredentialsInTheURLNeverShow: a token in the URL's user information
+// or query never reaches an error (which the log, /status and kvmount
+// status show), whatever fails — the review found both in the log and on
+// /status.
+func TestCredentialsInTheURLNeverShow(t *testing.T) {
+	srv := newServer(t, `{"a": "1"}`)
+	u, _ := url.Parse(srv.URL)
+	u.User = url.UserPassword("TOKENUSER", "TOKENPASS")
+	u.RawQuery = "access_token=TOKENQUERY"
+	var logs testlog.Buffer
+	cfg := &Config{URL: u.String(), Format: FormatJSON, PollInterval: 20 * time.Millisecond, Timeout: time.Second, MaxBodySize: DefaultMaxBodySize}
+	src, err := New("web", cfg, slog.New(slog.NewTextHandler(&logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	rec := follow(t, src, "")
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "1"}))
+	srv.mu.Lock()
+	srv.fail = func(w http.ResponseWriter) bool { w.WriteHeader(500); return true }
+	srv.mu.Unlock()
+	rec.WaitFor(t, "failure", sourcetest.Failing)
+	_, ferr := rec.State()
+	srv.Close() // now a connection error
+	time.Sleep(200 * time.Millisecond)
+	_, cerr := rec.State()
+	for _, text := range []string{ferr.Error(), fmt.Sprint(cerr), logs.String()} {
+		for _, secret := range []string{"TOKENUSER", "TOKENPASS", "TOKENQUERY"} {
+			if strings.Contains(text, secret) {
+				t.Errorf("%q shows %s", text, secret)
+			}
+		}
+	}
+	if !strings.Contains(ferr.Error(), "access_token=redacted") {
+		t.Errorf("error %v does not name the URL, redacted", ferr)
 	}
 }
