@@ -12,9 +12,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"os/user"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
+	"unicode/utf8"
 )
 
 // OutputLimit is how much of a command's output (stdout and stderr
@@ -39,8 +43,14 @@ type Spec struct {
 	Argv []string
 	// Dir is the working directory; "" keeps kvmount's.
 	Dir string
-	// Env holds NAME=value pairs added to kvmount's environment.
+	// Env holds NAME=value pairs added to kvmount's environment, or with
+	// ResetEnv to the clean one.
 	Env []string
+	// ResetEnv gives the command a clean environment instead of
+	// kvmount's, as sudo's env_reset does: PATH, HOME, USER, LOGNAME and
+	// SHELL of the user it runs as, and kvmount's LANG, LANGUAGE, LC_*
+	// and TZ; then Env.
+	ResetEnv bool
 	// Timeout kills the command after this long; zero means no limit
 	// beyond the context.
 	Timeout time.Duration
@@ -64,11 +74,18 @@ func Run(ctx context.Context, s Spec) (output string, err error) {
 	}
 	cmd := exec.CommandContext(ctx, s.Argv[0], s.Argv[1:]...)
 	cmd.Dir = s.Dir
-	if len(s.Env) > 0 {
+	switch {
+	case s.ResetEnv:
+		cmd.Env = append(cleanEnv(s.UID), s.Env...)
+	case len(s.Env) > 0:
 		cmd.Env = append(os.Environ(), s.Env...)
 	}
+	// Its own process group, killed whole: a check that forks leaves
+	// nothing running behind it.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 	if s.UID >= 0 {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(s.UID), Gid: uint32(s.GID)}}
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(s.UID), Gid: uint32(s.GID), Groups: supplementaryGroups(s.UID)}
 	}
 	var out limitedBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -84,6 +101,95 @@ func Run(ctx context.Context, s Spec) (output string, err error) {
 		return output, fmt.Errorf("%w after %v", ErrTimeout, s.Timeout)
 	}
 	return output, err
+}
+
+// Tail returns the last lines of a command's output, joined with " | ",
+// at most limit bytes (a longer last line is cut at its end): what a
+// failed check shows of why. Control characters become "?", so that the
+// text can go into a log line, JSON or systemd's STATUS= unchanged. nginx
+// -t, for one, prints its reason on the line before its last ("nginx:
+// [emerg] invalid port ... in site.conf:6", then "nginx: configuration
+// file ... test failed").
+func Tail(output string, limit int) string {
+	lines := strings.Split(strings.TrimSpace(output), "\n")
+	var kept []string
+	size := 0
+	for i := len(lines) - 1; i >= 0; i-- {
+		line := printable(strings.TrimSpace(lines[i]))
+		if line == "" {
+			continue
+		}
+		if len(kept) == 0 && len(line) > limit {
+			return strings.ToValidUTF8(line[:limit], "")
+		}
+		if size+len(line)+3 > limit && len(kept) > 0 {
+			break
+		}
+		kept = append(kept, line)
+		size += len(line) + 3
+	}
+	slices.Reverse(kept)
+	return strings.Join(kept, " | ")
+}
+
+// printable replaces control characters and invalid UTF-8.
+func printable(s string) string {
+	return strings.Map(func(r rune) rune {
+		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
+			return '?'
+		}
+		return r
+	}, s)
+}
+
+// securePath is the PATH of a clean environment: sudo's secure_path.
+const securePath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// cleanEnv returns the clean environment of a command run as uid (-1:
+// kvmount's own user).
+func cleanEnv(uid int) []string {
+	if uid < 0 {
+		uid = os.Geteuid()
+	}
+	home, name, shell := "/", "", "/bin/sh"
+	if u, err := user.LookupId(strconv.Itoa(uid)); err == nil {
+		name = u.Username
+		if u.HomeDir != "" {
+			home = u.HomeDir
+		}
+	}
+	env := []string{"PATH=" + securePath, "HOME=" + home, "SHELL=" + shell}
+	if name != "" {
+		env = append(env, "USER="+name, "LOGNAME="+name)
+	}
+	for _, kv := range os.Environ() {
+		name, _, _ := strings.Cut(kv, "=")
+		if name == "LANG" || name == "LANGUAGE" || name == "TZ" || strings.HasPrefix(name, "LC_") {
+			env = append(env, kv)
+		}
+	}
+	return env
+}
+
+// supplementaryGroups returns the supplementary groups of user uid from
+// the group database, as login would give them; none when it has no
+// entry.
+func supplementaryGroups(uid int) []uint32 {
+	u, err := user.LookupId(strconv.Itoa(uid))
+	if err != nil {
+		return []uint32{}
+	}
+	ids, err := u.GroupIds()
+	if err != nil {
+		return []uint32{}
+	}
+	groups := make([]uint32, 0, len(ids))
+	for _, id := range ids {
+		if n, err := strconv.ParseUint(id, 10, 32); err == nil {
+			groups = append(groups, uint32(n))
+		}
+	}
+	return groups
 }
 
 // limitedBuffer keeps the first OutputLimit bytes written to it. It holds

@@ -134,6 +134,11 @@ type Mount struct {
 	CheckCommand []string
 	// CheckTimeout bounds CheckCommand.
 	CheckTimeout time.Duration
+	// ShowCheckOutput puts the last lines of a failed CheckCommand's
+	// output into its error (log, /status, kvmount status, systemd's
+	// status line): on disk by default, not on tmpfs, whose checks may
+	// echo secrets.
+	ShowCheckOutput bool
 	// Notify are the entries run, in order, after each switch that
 	// changed the mount.
 	Notify []Notify
@@ -314,6 +319,10 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 		sec.Errorf("check_command", "needs a program, such as [\"nginx\", \"-t\", \"-c\", \"{{dir}}/nginx.conf\"]")
 	}
 	m.CheckTimeout = sec.Duration("check_timeout", DefaultCheckTimeout)
+	m.ShowCheckOutput = sec.Bool("show_check_output", m.Medium != MediumTmpfs)
+	if sec.Has("show_check_output") && !sec.Has("check_command") {
+		sec.Errorf("show_check_output", "applies with check_command only")
+	}
 	if sec.Has("check_timeout") && !sec.Has("check_command") {
 		sec.Errorf("check_timeout", "applies with check_command only")
 	}

@@ -152,6 +152,8 @@ func decodeNotify(sec *Section) Notify {
 				sec.Errorf("header_files", "header %q is also in headers", name)
 			}
 		}
+		sec.WarnInlineCredentials("headers", n.Headers)
+		sec.WarnURLCredentials(NotifyWebhook, n.Webhook, len(n.Headers)+len(n.HeaderFiles) > 0)
 	}
 	return n
 }

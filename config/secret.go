@@ -1,9 +1,15 @@
 package config
 
 import (
+	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // Secret is a credential read from a file (a password, a token, a header
@@ -31,15 +37,21 @@ func (s Secret) GoString() string { return s.String() }
 // LogValue is String, for log/slog.
 func (s Secret) LogValue() slog.Value { return slog.StringValue(s.String()) }
 
+// secretFileLimit is the largest credential file read, in bytes.
+const secretFileLimit = 64 << 10
+
 // SecretFile reads the file named at key and returns its content as a
 // Secret, without the trailing newline; the zero Secret when key is not set.
-// An unreadable or empty file is a problem at key's line.
+// An unreadable, empty or larger than 64 KiB file, or a symlink in its path,
+// is a problem at key's line: it is opened without following a symlink in
+// any component. A file that users other than its owner can read, or that
+// a user other than root owns (who could change it), is a warning there.
 func (s *Section) SecretFile(key string) Secret {
 	name := s.String(key, "")
 	if name == "" {
 		return Secret{}
 	}
-	data, err := os.ReadFile(name)
+	data, st, err := readBounded(name, secretFileLimit)
 	if err != nil {
 		s.Errorf(key, "%v", err)
 		return Secret{}
@@ -48,7 +60,46 @@ func (s *Section) SecretFile(key string) Secret {
 	if value == "" {
 		s.Errorf(key, "%s is empty", name)
 	}
+	switch {
+	case st.Mode&0o044 != 0:
+		s.Warnf(key, "%s holds a credential and is readable by %s (mode %04o); chmod go-r it", name, readers(st.Mode), st.Mode&0o7777)
+	case st.Uid != 0:
+		s.Warnf(key, "%s holds a credential and is owned by uid %d, who can change it; chown it to root", name, st.Uid)
+	}
 	return Secret{value: value}
+}
+
+// readers names who besides the owner may read a file of mode.
+func readers(mode uint32) string {
+	if mode&0o004 != 0 {
+		return "every user"
+	}
+	return "its group"
+}
+
+// readBounded reads the regular file name, opened without following a
+// symlink in any component, up to limit bytes; a larger file is an error.
+func readBounded(name string, limit int64) ([]byte, *unix.Stat_t, error) {
+	f, err := fsutil.OpenNoFollow(name, unix.O_RDONLY|unix.O_NONBLOCK)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, nil, err
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return nil, nil, fmt.Errorf("%s is not a regular file", name)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return nil, nil, err
+	}
+	if int64(len(data)) > limit {
+		return nil, nil, fmt.Errorf("%s is larger than %d bytes", name, limit)
+	}
+	return data, &st, nil
 }
 
 // SecretFileMap reads the table at key, such as header_files = {

@@ -133,10 +133,17 @@ func load(opts Options, observer reconcile.Observer, withService bool) (*daemon,
 	return d, nil
 }
 
-// logWarnings logs the configuration's warnings.
+// logWarnings logs the configuration's warnings and the host's (Audit),
+// and how check commands see the version they check.
 func logWarnings(log *slog.Logger, cfg *config.Config) {
 	for _, w := range cfg.Warnings {
 		log.Warn("configuration warning", "warning", w.Error())
+	}
+	for _, w := range Audit(cfg) {
+		log.Warn("host warning", "warning", w)
+	}
+	if view := CheckView(cfg); view != "" {
+		log.Info(view)
 	}
 }
 

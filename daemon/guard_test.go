@@ -182,25 +182,37 @@ func TestImmutable(t *testing.T) {
 	h.waitContent(dir, map[string]string{"a": "3"})
 }
 
+// TestCheckCommand: a version the check refuses keeps the last content;
+// the check reads the new version through the mount's own path (the
+// namespace view) as well as through {{dir}}; the last lines of its output
+// are in the error on disk, and not where show_check_output is off, where
+// they are at debug level only (a check may echo secret values).
 func TestCheckCommand(t *testing.T) {
 	h := newHarness(t)
-	h.put("/cc/app.conf", "valid 1")
-	h.writeConfig(h.mount("cc", "/cc/", `check_command = ["sh", "-c", "grep -q valid {{dir}}/app.conf || { echo 'app.conf: no valid line' >&2; exit 3; }"]`, `check_timeout = "5s"`))
+	h.put("/cc/app.conf", "valid 1", "/hc/app.conf", "valid 1")
+	dir, hidden := h.path("mnt", "cc"), h.path("mnt", "hc")
+	check := func(d string) string {
+		return `check_command = ["sh", "-c", "grep -q valid ` + d + `/app.conf && grep -q valid {{dir}}/app.conf && grep -q valid app.conf || { echo 'app.conf: no valid line' >&2; exit 3; }"]`
+	}
+	h.writeConfig(h.mount("cc", "/cc/", check(dir), `check_timeout = "5s"`) + h.mount("hc", "/hc/", check(hidden), `show_check_output = false`))
 	h.start()
-	dir := h.path("mnt", "cc")
 	h.waitContent(dir, map[string]string{"app.conf": "valid 1"})
-	h.put("/cc/app.conf", "broken")
-	h.waitLog("operation failed", "mount=cc", "check_command sh: exit status 3")
-	// The output may echo secret values: debug level only.
-	h.waitLog("level=DEBUG", "check_command finished", "mount=cc", "app.conf: no valid line")
-	if n := h.logs.Count("level=ERROR", "app.conf: no valid line"); n != 0 {
-		t.Errorf("the check's output was logged at error level %d times", n)
+	h.waitContent(hidden, map[string]string{"app.conf": "valid 1"})
+	h.put("/cc/app.conf", "broken", "/hc/app.conf", "broken")
+	h.waitLog("level=ERROR", "operation failed", "mount=cc", "check_command sh: exit status 3: app.conf: no valid line")
+	h.waitLog("level=ERROR", "operation failed", "mount=hc", "check_command sh: exit status 3 (its output is not shown for this mount")
+	h.waitLog("level=DEBUG", "check_command finished", "mount=hc", "app.conf: no valid line")
+	if n := h.logs.Count("level=ERROR", "mount=hc", "app.conf: no valid line"); n != 0 {
+		t.Errorf("the output of a check with show_check_output = false was logged at error level %d times", n)
 	}
-	if got, _ := content(dir); got["app.conf"] != "valid 1" {
-		t.Errorf("a refused version reached the mount: %v", got)
+	for _, d := range []string{dir, hidden} {
+		if got, _ := content(d); got["app.conf"] != "valid 1" {
+			t.Errorf("a refused version reached %s: %v", d, got)
+		}
 	}
-	h.put("/cc/app.conf", "valid 2")
+	h.put("/cc/app.conf", "valid 2", "/hc/app.conf", "valid 2")
 	h.waitContent(dir, map[string]string{"app.conf": "valid 2"})
+	h.waitContent(hidden, map[string]string{"app.conf": "valid 2"})
 }
 
 // TestCheckUser runs check_command as check_user.

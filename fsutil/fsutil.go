@@ -22,6 +22,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -38,9 +39,9 @@ var ErrSymlink = errors.New("a symlink in the path")
 // no symlink, and no /proc magic link, in any component.
 const resolveFlags = unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS
 
-// haveOpenat2 is cleared when the kernel (before Linux 5.6) or a seccomp
-// filter refuses openat2; the component-wise walk is used then.
-var haveOpenat2 = true
+// noOpenat2 is set when the kernel (before Linux 5.6) or a seccomp filter
+// refuses openat2; the component-wise walk is used then.
+var noOpenat2 atomic.Bool
 
 // OpenNoFollow opens the absolute path with flags (O_RDONLY, O_DIRECTORY,
 // O_PATH, ...; O_CLOEXEC and O_NOFOLLOW are added) without following a
@@ -84,7 +85,7 @@ func OpenNoFollow(path string, flags int) (*os.File, error) {
 
 // openNoFollow opens path with openat2, or walks it.
 func openNoFollow(path string, flags int) (int, error) {
-	if haveOpenat2 {
+	if !noOpenat2.Load() {
 		fd, err := unix.Openat2(unix.AT_FDCWD, path, &unix.OpenHow{Flags: uint64(flags), Resolve: resolveFlags})
 		if err == nil {
 			return fd, nil
@@ -96,7 +97,7 @@ func openNoFollow(path string, flags int) (int, error) {
 				return -1, err
 			}
 		} else {
-			haveOpenat2 = false
+			noOpenat2.Store(true)
 		}
 	}
 	return walk(path, flags)

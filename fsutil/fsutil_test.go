@@ -163,8 +163,8 @@ func TestOpenNoFollowRefusesSymlinksInAnyComponent(t *testing.T) {
 	}
 	for _, openat2 := range []bool{true, false} {
 		t.Run(fmt.Sprintf("openat2=%v", openat2), func(t *testing.T) {
-			defer func(old bool) { haveOpenat2 = old }(haveOpenat2)
-			haveOpenat2 = openat2
+			defer noOpenat2.Store(noOpenat2.Load())
+			noOpenat2.Store(!openat2)
 			d, err := OpenDir(filepath.Join(real, "etc", "certs"))
 			if err != nil {
 				t.Fatalf("OpenDir(real path) = %v", err)

@@ -91,14 +91,21 @@ func MountAt(d *os.File) (MountState, *mountinfo.Info, error) {
 		return NotMounted, nil, nil
 	}
 	id := int(st.Mnt_id)
-	infos, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+	// The calling thread's mount table: /proc/self/mountinfo is the
+	// main thread's, which need not be in the same mount namespace.
+	f, err := os.Open("/proc/thread-self/mountinfo")
+	if err != nil {
+		return 0, nil, fmt.Errorf("%s: %w", d.Name(), err)
+	}
+	defer f.Close()
+	infos, err := mountinfo.GetMountsFromReader(f, func(i *mountinfo.Info) (skip, stop bool) {
 		return i.ID != id, i.ID == id
 	})
 	if err != nil {
 		return 0, nil, fmt.Errorf("%s: %w", d.Name(), err)
 	}
 	if len(infos) == 0 {
-		return 0, nil, fmt.Errorf("%s: mount %d is not in /proc/self/mountinfo", d.Name(), id)
+		return 0, nil, fmt.Errorf("%s: mount %d is not in /proc/thread-self/mountinfo", d.Name(), id)
 	}
 	info := infos[0]
 	if info.FSType == "tmpfs" && info.Source == TmpfsSource {

@@ -57,11 +57,13 @@ type WriterOptions struct {
 	// DirUID and DirGID own version directories, inner directories and the
 	// visible symlinks; -1 leaves them to kvmount's own user or group.
 	DirUID, DirGID int
-	// Check, when set, is called with the absolute path of each new
-	// version directory, complete and synced, before the switch. An error
-	// keeps the current version: Write removes the new one and returns the
-	// error wrapped with ErrCheckFailed.
-	Check func(versionDir string) error
+	// Check, when set, is called with each new version, complete and
+	// synced, before the switch. An error keeps the current version: Write
+	// removes the new one and returns the error wrapped with
+	// ErrCheckFailed. The version switched in afterwards is the very
+	// directory the check saw: the switch refuses any other
+	// (ErrVersionVanished).
+	Check func(Candidate) error
 	// Grace is how long a replaced version directory stays after a
 	// switch, so that a reader that resolved ..data just before it can
 	// still open its files (git-sync keeps its old worktree likewise). A
@@ -183,8 +185,23 @@ func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWrit
 	return &AtomicWriter{dir: dir, root: root, ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
 }
 
+// Candidate is a new version that a Check may refuse before the switch.
+type Candidate struct {
+	// MountDir is the mount directory's path, and Version the name of the
+	// new version directory in it.
+	MountDir, Version string
+	// Mount identifies the directory the writer writes into (a tmpfs
+	// mount's root), and VersionIdent the new version directory: a check
+	// that reaches them by path can make sure that it sees them, and not
+	// what someone who can write one of MountDir's parents put there.
+	Mount, VersionIdent fsutil.Ident
+}
+
+// Path returns the new version directory's path.
+func (c Candidate) Path() string { return filepath.Join(c.MountDir, c.Version) }
+
 // SetCheck replaces WriterOptions.Check for the following writes.
-func (w *AtomicWriter) SetCheck(check func(versionDir string) error) { w.opts.Check = check }
+func (w *AtomicWriter) SetCheck(check func(Candidate) error) { w.opts.Check = check }
 
 // Files returns how many files the current version holds: 0 when the
 // mount is empty or its content is unknown.
@@ -235,7 +252,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	oldDirs := dirHandles{}
 	defer oldDirs.close()
 	var name string
-	var built os.FileInfo
+	var built builtVersion
 	err = w.makingRoom(func() (err error) {
 		name, built, err = w.buildVersion(payload, oldDirs)
 		return err
@@ -244,7 +261,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		return Change{}, err
 	}
 	if w.opts.Check != nil {
-		if err := w.opts.Check(filepath.Join(w.dir, name)); err != nil {
+		if err := w.opts.Check(Candidate{MountDir: w.dir, Version: name, Mount: w.ident, VersionIdent: built.ident}); err != nil {
 			_ = w.root.RemoveAll(name)
 			return Change{}, fmt.Errorf("atomic writer: %w: %w", ErrCheckFailed, err)
 		}
@@ -313,7 +330,7 @@ func (w *AtomicWriter) makingRoom(step func() error) error {
 // vanished (or was replaced) is never switched to. Just after, it is checked
 // again; if it vanished in between, ..data is pointed back at the previous
 // version and ErrVersionVanished returned.
-func (w *AtomicWriter) switchTo(name string, built os.FileInfo) (switched bool, err error) {
+func (w *AtomicWriter) switchTo(name string, built builtVersion) (switched bool, err error) {
 	if err := w.isBuilt(name, built); err != nil {
 		return false, err
 	}
@@ -333,9 +350,9 @@ func (w *AtomicWriter) switchTo(name string, built os.FileInfo) (switched bool, 
 }
 
 // isBuilt checks that name still is the directory built.
-func (w *AtomicWriter) isBuilt(name string, built os.FileInfo) error {
+func (w *AtomicWriter) isBuilt(name string, built builtVersion) error {
 	info, err := w.root.Lstat(name)
-	if err != nil || !os.SameFile(info, built) {
+	if err != nil || !os.SameFile(info, built.info) {
 		return fmt.Errorf("atomic writer: %s: %w: %s (is another kvmount writing this mount?)", w.dir, ErrVersionVanished, name)
 	}
 	return nil

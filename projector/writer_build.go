@@ -33,11 +33,12 @@ import (
 // would resolve the whole path again for every file, which on a 1,000-file
 // mount costs more than the links themselves.
 //
-// It also returns the new directory's identity, which the switch checks.
-func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name string, built os.FileInfo, err error) {
+// It also returns the new directory's identity, which the check and the
+// switch use.
+func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name string, built builtVersion, err error) {
 	name, err = w.mkVersionDir()
 	if err != nil {
-		return "", nil, err
+		return "", builtVersion{}, err
 	}
 	newDirs := dirHandles{}
 	partial := name // the returns below clear name
@@ -48,12 +49,12 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		}
 	}()
 	if newDirs["."], err = w.openVersion(name); err != nil {
-		return "", nil, err
+		return "", builtVersion{}, err
 	}
 	dirNames := slices.Sorted(maps.Keys(directories(payload))) // parents before children
 	for _, dir := range dirNames {
 		if newDirs[dir], err = w.mkdirAt(newDirs[path.Dir(dir)], path.Base(dir)); err != nil {
-			return "", nil, err
+			return "", builtVersion{}, err
 		}
 	}
 	if w.current != nil {
@@ -72,7 +73,7 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 			}
 		}
 		if err := w.writeFileAt(newDirs[dir], base, f); err != nil {
-			return "", nil, err
+			return "", builtVersion{}, err
 		}
 	}
 	if w.opts.Sync {
@@ -80,20 +81,29 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		// before the entry that names the directory.
 		for _, dir := range slices.Backward(dirNames) {
 			if err := newDirs[dir].Sync(); err != nil {
-				return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", path.Join(name, dir), err)
+				return "", builtVersion{}, fmt.Errorf("atomic writer: fsync %s: %w", path.Join(name, dir), err)
 			}
 		}
 		if err := newDirs["."].Sync(); err != nil {
-			return "", nil, fmt.Errorf("atomic writer: fsync %s: %w", name, err)
+			return "", builtVersion{}, fmt.Errorf("atomic writer: fsync %s: %w", name, err)
 		}
 		if err := w.syncDir("."); err != nil {
-			return "", nil, err
+			return "", builtVersion{}, err
 		}
 	}
-	if built, err = newDirs["."].Stat(); err != nil {
-		return "", nil, fmt.Errorf("atomic writer: %w", err)
+	if built.info, err = newDirs["."].Stat(); err != nil {
+		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
+	}
+	if built.ident, err = fsutil.IdentOf(newDirs["."]); err != nil {
+		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
 	}
 	return name, built, nil
+}
+
+// builtVersion identifies a version directory just built.
+type builtVersion struct {
+	info  os.FileInfo
+	ident fsutil.Ident
 }
 
 // dirHandles are open directories of one version, by path relative to the

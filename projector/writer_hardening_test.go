@@ -44,7 +44,7 @@ func TestNeverSwitchesToAVanishedVersion(t *testing.T) {
 	if _, err := w.Write(good); err != nil {
 		t.Fatal(err)
 	}
-	w.SetCheck(func(string) error {
+	w.SetCheck(func(Candidate) error {
 		other := newWriter(t, dir)
 		_, err := other.Adopt()
 		return err

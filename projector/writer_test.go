@@ -581,7 +581,8 @@ func TestCheckRefusesAVersion(t *testing.T) {
 	dir := t.TempDir()
 	w := newWriter(t, dir)
 	var checked []string
-	w.SetCheck(func(versionDir string) error {
+	w.SetCheck(func(c Candidate) error {
+		versionDir := c.Path()
 		checked = append(checked, versionDir)
 		data, err := os.ReadFile(filepath.Join(versionDir, "app.conf"))
 		if err != nil {

@@ -151,29 +151,65 @@ func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
 }
 
 // checkCommand returns the Check that runs spec's check_command against a
-// new version directory ({{dir}} in an argument is its path; it also is the
-// working directory), or nil without one, as check_user when set. The
-// command fails the check by exiting non-zero or by outliving
-// check_timeout. Its output, cut to 4 KiB, is logged at debug level only:
-// a check may echo the secret values it reads. Cancelling ctx kills a
-// running command.
-func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(string) error {
+// new version, or nil without one, as check_user when set, in a clean
+// environment (command.Spec.ResetEnv) with KVMOUNT_MOUNT and KVMOUNT_DIR.
+//
+// Where a private mount namespace can be made (command.NamespaceViews),
+// the command runs in one in which the mount's own path shows the new
+// version, read-only: {{dir}} in an argument, the working directory and
+// KVMOUNT_DIR are the mount's path, and a program whose stock
+// configuration includes the mount (nginx -t) tests the new content.
+// Elsewhere they are the new version directory's path, and only what the
+// command reaches through them is the new content.
+//
+// The command fails the check by exiting non-zero or by outliving
+// check_timeout. The error then carries the last lines of its output
+// (command.Tail, at most CheckOutputLimit bytes) when show_check_output
+// is on — by default on disk, not on tmpfs, where a check may echo the
+// secrets it reads; the first 4 KiB are logged at debug level. Cancelling
+// ctx kills a running command.
+func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(projector.Candidate) error {
 	if len(spec.CheckCommand) == 0 {
 		return nil
 	}
-	return func(dir string) error {
+	return func(c projector.Candidate) error {
+		viewErr := command.NamespaceViews()
+		dir := c.MountDir
+		if viewErr != nil {
+			dir = c.Path()
+		}
 		args := make([]string, len(spec.CheckCommand))
 		for i, a := range spec.CheckCommand {
 			args[i] = strings.ReplaceAll(a, "{{dir}}", dir)
 		}
-		out, err := command.Run(ctx, command.Spec{Argv: args, Dir: dir, Timeout: spec.CheckTimeout, UID: spec.CheckUID, GID: spec.CheckGID})
-		log.Debug("check_command finished", "command", args[0], "err", err, "output", out)
-		if err != nil {
-			return fmt.Errorf("check_command %s: %w (its output is logged at debug level)", args[0], err)
+		s := command.Spec{Argv: args, Timeout: spec.CheckTimeout, UID: spec.CheckUID, GID: spec.CheckGID,
+			ResetEnv: true, Env: []string{"KVMOUNT_MOUNT=" + spec.Name, "KVMOUNT_DIR=" + dir}}
+		var out string
+		var err error
+		if viewErr == nil {
+			out, err = command.RunInView(ctx, s, command.View{MountDir: c.MountDir, Mount: c.Mount, Version: c.Version, VersionIdent: c.VersionIdent})
+		} else {
+			s.Dir = dir
+			out, err = command.Run(ctx, s)
 		}
-		return nil
+		log.Debug("check_command finished", "command", args[0], "err", err, "output", out)
+		if err == nil {
+			return nil
+		}
+		if !spec.ShowCheckOutput {
+			return fmt.Errorf("check_command %s: %w (its output is not shown for this mount, show_check_output = false; it is logged at debug level)", args[0], err)
+		}
+		if tail := command.Tail(out, CheckOutputLimit); tail != "" {
+			return fmt.Errorf("check_command %s: %w: %s", args[0], err, tail)
+		}
+		return fmt.Errorf("check_command %s: %w (no output)", args[0], err)
 	}
 }
+
+// CheckOutputLimit is how much of a failed check_command's output its
+// error carries, in bytes: the last lines, to the log, /status, kvmount
+// status and systemd's status line.
+const CheckOutputLimit = 256
 
 // open prepares the mount directory (projector.Medium: creating it,
 // mounting its tmpfs, giving it the configured mode and owner), records the

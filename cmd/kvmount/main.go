@@ -110,10 +110,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		var cfg *config.Config
 		cfg, err = config.Load(*configPath, opts.Registry.Decoders())
 		if err == nil {
+			warnings := len(cfg.Warnings)
 			for _, w := range cfg.Warnings {
 				fmt.Fprintf(stderr, "warning: %v\n", w)
 			}
-			fmt.Fprintf(stdout, "%s: OK (%s, %s, %s)\n", *configPath, count(len(cfg.Sources), "source"), count(len(cfg.Mounts), "mount"), count(len(cfg.Warnings), "warning"))
+			for _, w := range daemon.Audit(cfg) {
+				fmt.Fprintf(stderr, "warning: %s\n", w)
+				warnings++
+			}
+			fmt.Fprintf(stdout, "%s: OK (%s, %s, %s)\n", *configPath, count(len(cfg.Sources), "source"), count(len(cfg.Mounts), "mount"), count(warnings, "warning"))
+			if view := daemon.CheckView(cfg); view != "" {
+				fmt.Fprintln(stdout, view)
+			}
 		}
 	case "status":
 		return status(ctx, *configPath, opts.Registry, stdout, stderr)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/testlog"
 )
 
@@ -131,6 +132,78 @@ default_mode = "999"
 	code, _, errOut = runCmd("check", "-config", filepath.Join(t.TempDir(), "missing.toml"))
 	if code != 1 || !strings.Contains(errOut, "no such file") {
 		t.Errorf("check missing = %d, %q", code, errOut)
+	}
+}
+
+// TestCheckWarnsAboutExposedCredentialsAndPaths: kvmount check names every
+// credential the configuration exposes — a token file others can read, a
+// token sent over plain http to another host, a token in a URL, an inline
+// Authorization header — and every path a local user could redirect — a
+// mount directory under a directory a user owns, a symlink in a path —
+// as warnings: the file stays valid. And it says how check commands see
+// the version they check.
+func TestCheckWarnsAboutExposedCredentialsAndPaths(t *testing.T) {
+	u := roottest.NewUser(t)
+	base := t.TempDir()
+	token := filepath.Join(base, "token")
+	if err := os.WriteFile(token, []byte("s3cret\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	app := filepath.Join(base, "srv", "app")
+	if err := os.MkdirAll(app, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	u.Chown(t, app)
+	if err := os.Symlink(filepath.Join(base, "srv"), filepath.Join(base, "link")); err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeFile(t, "k.toml", fmt.Sprintf(`
+state_dir = %q
+
+[sources.consul]
+type = "consul"
+address = "http://consul.example.com:8500"
+token_file = %q
+
+[sources.web]
+type = "http"
+url = "https://config.example.com/app.json?access_token=abc"
+headers = { Authorization = "Bearer inline" }
+
+[[mount]]
+name = "app"
+dir = %q
+source = "web"
+prefix = "app/"
+check_command = ["true"]
+
+[[mount]]
+name = "linked"
+dir = %q
+source = "consul"
+prefix = "app/"
+`, filepath.Join(base, "state"), token, filepath.Join(app, "etc", "certs"), filepath.Join(base, "link", "x")))
+	code, out, errOut := runCmd("check", "-config", cfg)
+	if code != 0 {
+		t.Fatalf("check = %d, %q, %q; want 0: these are warnings", code, out, errOut)
+	}
+	for _, want := range []string{
+		"sources.consul.token_file: " + token + " holds a credential and is readable by every user (mode 0644)",
+		"sources.consul.address: credentials go to consul.example.com:8500 in clear text (http://)",
+		"sources.web.url: https://config.example.com/app.json?access_token=redacted carries what may be credentials in its URL",
+		"sources.web.headers: header Authorization holds a credential in the configuration file",
+		"mount app: dir " + filepath.Join(app, "etc", "certs") + ": " + app + " is owned by user " + u.Name,
+		"mount linked: dir: " + filepath.Join(base, "link", "x") + ": a symlink in the path: " + filepath.Join(base, "link") + " is a symlink",
+	} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("check's warnings lack %q:\n%s", want, errOut)
+		}
+	}
+	if strings.Contains(errOut, "abc") || strings.Contains(errOut, "s3cret") {
+		t.Errorf("a warning shows a credential:\n%s", errOut)
+	}
+	if !strings.Contains(out, "6 warnings") || !strings.Contains(out, "check_command: runs in a private mount namespace") {
+		t.Errorf("check's summary: %q", out)
 	}
 }
 

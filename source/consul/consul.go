@@ -105,6 +105,7 @@ func Decode(sec *config.Section) any {
 	if c.Wait > MaxWait {
 		sec.Errorf("wait", "%v is longer than Consul's maximum of %v", c.Wait, MaxWait)
 	}
+	sec.WarnURLCredentials("address", c.Address, !c.Token.IsZero())
 	return c
 }
 

@@ -112,6 +112,9 @@ func Decode(sec *config.Section) any {
 	if (c.Username == "") != c.Password.IsZero() {
 		sec.Errorf("username", "username and password_file go together")
 	}
+	for _, ep := range c.Endpoints {
+		sec.WarnURLCredentials("endpoints", ep, c.Username != "")
+	}
 	return c
 }
 

@@ -113,6 +113,8 @@ func Decode(sec *config.Section) any {
 			sec.Errorf("header_files", "header %q is also in headers", name)
 		}
 	}
+	sec.WarnInlineCredentials("headers", c.Headers)
+	sec.WarnURLCredentials("url", c.URL, len(c.Headers)+len(c.HeaderFiles) > 0)
 	return c
 }
 
