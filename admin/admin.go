@@ -1,8 +1,12 @@
-// Package admin is kvmount's endpoint for operators, on loopback or a unix
-// socket: /metrics (Prometheus text format, with the Go and process
-// collectors), /healthz (the reconciler's loop answers), /readyz (every
-// non-optional mount holds its current desired payload and no source it
-// uses is stale) and /status (JSON, per mount and per source).
+// Package admin is kvmount's endpoint for operators: /metrics (Prometheus
+// text format, with the Go and process collectors), /healthz (the
+// reconciler's loop answers) and /readyz (every non-optional mount holds
+// its current desired payload and no source it uses is stale) on loopback
+// TCP for anyone there; the same and /status (JSON, per mount, source and
+// endpoint) on a unix socket only root can use, which kvmount status
+// reads. Both are bounded — connections, time, header size — so that no
+// client can starve the daemon, and both listen in the background:
+// projection never waits for them.
 //
 // It consumes the reconciler's event stream (reconcile.Observer) and the
 // notifier's results; the reconciler does not know it exists.
@@ -10,14 +14,10 @@ package admin
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"iter"
 	"log/slog"
-	"net"
-	"net/http"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -25,7 +25,6 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
@@ -51,10 +50,16 @@ type Server struct {
 	reg     *prometheus.Registry
 	metrics *metrics
 
-	mu      sync.Mutex
-	mounts  map[string]*MountStatus
-	sources map[string]*SourceStatus
-	passes  int
+	mu            sync.Mutex
+	mounts        map[string]*MountStatus
+	sources       map[string]*SourceStatus
+	endpointState map[string]*EndpointStatus
+	passes        int
+
+	// epMu guards the listening endpoints (serve.go).
+	epMu      sync.Mutex
+	endpoints map[string]*endpoint
+	stopped   bool
 }
 
 // Status is what /status serves.
@@ -65,6 +70,11 @@ type Status struct {
 	// Mounts and Sources by name.
 	Mounts  map[string]*MountStatus  `json:"mounts"`
 	Sources map[string]*SourceStatus `json:"sources"`
+	// Endpoints are the admin endpoints, sorted by address.
+	Endpoints []*EndpointStatus `json:"endpoints"`
+	// brief are Reasons without the errors' text, for the public
+	// /readyz.
+	brief []string
 }
 
 // Mount states in MountStatus.State.
@@ -125,7 +135,11 @@ type SourceStatus struct {
 func New(opts Options) *Server {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{}}
+	if opts.Log == nil {
+		opts.Log = slog.New(slog.DiscardHandler)
+	}
+	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{},
+		endpointState: map[string]*EndpointStatus{}, endpoints: map[string]*endpoint{}}
 	return s
 }
 
@@ -250,6 +264,7 @@ func (s *Server) Status() Status {
 	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0}
 	if s.passes == 0 {
 		st.Reasons = append(st.Reasons, "the reconciler has not made its first pass")
+		st.brief = st.Reasons
 	}
 	for name, m := range s.mounts {
 		c := *m
@@ -257,6 +272,7 @@ func (s *Server) Status() Status {
 		if !m.Optional && m.State != StateCurrent {
 			st.Ready = false
 			reason := fmt.Sprintf("mount %s is %s", name, m.State)
+			st.brief = append(st.brief, reason)
 			if m.LastError != "" {
 				reason += ": " + m.LastError
 			}
@@ -267,82 +283,12 @@ func (s *Server) Status() Status {
 		c := *src
 		st.Sources[name] = &c
 	}
+	for _, ep := range s.endpointState {
+		c := *ep
+		st.Endpoints = append(st.Endpoints, &c)
+	}
+	slices.SortFunc(st.Endpoints, func(a, b *EndpointStatus) int { return strings.Compare(a.Address, b.Address) })
 	slices.Sort(st.Reasons)
+	slices.Sort(st.brief)
 	return st
-}
-
-// Handler returns the endpoint's routes.
-func (s *Server) Handler() http.Handler {
-	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(s.reg, promhttp.HandlerOpts{}))
-	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
-		ctx, cancel := context.WithTimeout(r.Context(), pingTimeout)
-		defer cancel()
-		if s.opts.Ping != nil {
-			if err := s.opts.Ping(ctx); err != nil {
-				http.Error(w, "reconciler loop not answering: "+err.Error(), http.StatusServiceUnavailable)
-				return
-			}
-		}
-		fmt.Fprintln(w, "ok")
-	})
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		st := s.Status()
-		if !st.Ready {
-			w.WriteHeader(http.StatusServiceUnavailable)
-			fmt.Fprintln(w, strings.Join(st.Reasons, "\n"))
-			return
-		}
-		fmt.Fprintln(w, "ready")
-	})
-	mux.HandleFunc("GET /status", func(w http.ResponseWriter, r *http.Request) {
-		w.Header().Set("Content-Type", "application/json")
-		enc := json.NewEncoder(w)
-		enc.SetIndent("", "  ")
-		_ = enc.Encode(s.Status())
-	})
-	return mux
-}
-
-// Listen opens address: "host:port" (TCP) or "unix:/path" (a unix socket,
-// replacing a stale socket file, mode 0660). It returns the listener for
-// Serve.
-func Listen(address string) (net.Listener, error) {
-	if path, ok := strings.CutPrefix(address, "unix:"); ok {
-		if info, err := os.Lstat(path); err == nil && info.Mode().Type() == os.ModeSocket {
-			_ = os.Remove(path)
-		}
-		l, err := net.Listen("unix", path)
-		if err != nil {
-			return nil, fmt.Errorf("admin: %w", err)
-		}
-		if err := os.Chmod(path, 0o660); err != nil {
-			l.Close()
-			return nil, fmt.Errorf("admin: %w", err)
-		}
-		return l, nil
-	}
-	l, err := net.Listen("tcp", address)
-	if err != nil {
-		return nil, fmt.Errorf("admin: %w", err)
-	}
-	return l, nil
-}
-
-// Serve serves the endpoint on l until ctx is done, then shuts the server
-// down (requests in progress get 5 s) and returns nil.
-func (s *Server) Serve(ctx context.Context, l net.Listener) error {
-	srv := &http.Server{Handler: s.Handler(), ReadHeaderTimeout: 10 * time.Second}
-	done := make(chan error, 1)
-	go func() { done <- srv.Serve(l) }()
-	select {
-	case err := <-done:
-		return fmt.Errorf("admin: %w", err)
-	case <-ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = srv.Shutdown(sctx)
-	<-done
-	return nil
 }

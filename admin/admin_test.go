@@ -8,10 +8,14 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
@@ -119,30 +123,142 @@ func TestEndpoints(t *testing.T) {
 }
 
 // TestListenUnixSocket serves on a unix socket.
-func TestListenUnixSocket(t *testing.T) {
-	path := t.TempDir() + "/admin.sock"
-	l, err := Listen("unix:" + path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := New(Options{})
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- s.Serve(ctx, l) }()
-	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+// unixClient returns a client that reaches the unix socket at path.
+func unixClient(path string) *http.Client {
+	return &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", path)
 	}}}
-	resp, err := client.Get("http://kvmount/healthz")
+}
+
+// getURL GETs url with client and returns the status code, or 0 when the
+// endpoint cannot be reached.
+func getURL(client *http.Client, url string) int {
+	resp, err := client.Get(url)
+	if err != nil {
+		return 0
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// waitCode waits until GET url answers want.
+func waitCode(t *testing.T, client *http.Client, url string, want int) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); getURL(client, url) != want; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("GET %s never answered %d", url, want)
+		}
+	}
+}
+
+// TestEndpointsListen: the public endpoint (TCP or a 0660 socket) serves
+// /metrics, /healthz and /readyz but not /status; the private socket, born
+// 0600 in a directory it creates, serves everything; a reload moves them;
+// a port someone else holds is retried in the background, and reported,
+// until it is free.
+func TestEndpointsListen(t *testing.T) {
+	old := syscall.Umask(0o022)
+	defer syscall.Umask(old)
+	base := t.TempDir()
+	private := filepath.Join(base, "run", "kvmount.sock")
+	squat, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Errorf("/healthz over the socket = %d", resp.StatusCode)
+	taken := squat.Addr().String()
+	s := New(Options{})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	s.SetEndpoints(Endpoints{Address: taken, Socket: private})
+	priv := unixClient(private)
+	waitCode(t, priv, "http://kvmount/status", http.StatusOK)
+	for path, want := range map[string]os.FileMode{private: 0o600, filepath.Dir(private): 0o755} {
+		if info, err := os.Lstat(path); err != nil || info.Mode().Perm() != want {
+			t.Errorf("%s: %v, %v; want mode %v", path, info.Mode(), err, want)
+		}
+	}
+	st := s.Status()
+	if len(st.Endpoints) != 2 || st.Endpoints[0].Address != taken || st.Endpoints[0].Listening || !strings.Contains(st.Endpoints[0].Error, "address already in use") {
+		t.Errorf("endpoints %+v; want %s not listening, in use", st.Endpoints, taken)
+	}
+	squat.Close()
+	public := &http.Client{Timeout: 5 * time.Second}
+	waitCode(t, public, "http://"+taken+"/healthz", http.StatusOK)
+	for _, path := range []string{"/metrics", "/readyz"} {
+		if code := getURL(public, "http://"+taken+path); code == 0 || code == http.StatusNotFound {
+			t.Errorf("public %s = %d", path, code)
+		}
+	}
+	if code := getURL(public, "http://"+taken+"/status"); code != http.StatusNotFound && code != http.StatusMethodNotAllowed {
+		t.Errorf("public /status = %d; want it not served", code)
+	}
+	// A reload moves the public endpoint to a unix socket.
+	sock := filepath.Join(base, "metrics.sock")
+	s.SetEndpoints(Endpoints{Address: "unix:" + sock, Socket: private})
+	waitCode(t, unixClient(sock), "http://kvmount/metrics", http.StatusOK)
+	if info, err := os.Lstat(sock); err != nil || info.Mode().Perm() != 0o660 {
+		t.Errorf("public socket mode %v, %v; want 0660", info.Mode(), err)
+	}
+	if getURL(public, "http://"+taken+"/healthz") != 0 {
+		t.Error("the old address still answers after the reload")
 	}
 	cancel()
 	if err := <-done; err != nil {
-		t.Errorf("Serve = %v", err)
+		t.Errorf("Run = %v", err)
+	}
+	for _, p := range []string{sock, private} {
+		if _, err := os.Lstat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left behind: %v", p, err)
+		}
+	}
+}
+
+// TestSocketsAreMadeSafely: a stale socket is replaced, a live one (another
+// daemon's) never removed; a symlink in the socket's path, or a private
+// socket's directory that others can write, is refused — and nothing is
+// ever chmod'ed by path.
+func TestSocketsAreMadeSafely(t *testing.T) {
+	base := t.TempDir()
+	live := filepath.Join(base, "live.sock")
+	l, err := net.Listen("unix", live)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if _, err := listen("unix:"+live, false); err == nil || !strings.Contains(err.Error(), "another process listens on it") {
+		t.Errorf("listen on a live socket = %v", err)
+	}
+	stale := filepath.Join(base, "stale.sock")
+	sl, _ := net.Listen("unix", stale)
+	sl.(*net.UnixListener).SetUnlinkOnClose(false)
+	sl.Close()
+	if nl, err := listen("unix:"+stale, false); err != nil {
+		t.Errorf("listen over a stale socket = %v", err)
+	} else {
+		nl.Close()
+	}
+	if err := os.WriteFile(filepath.Join(base, "file.sock"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := listen("unix:"+filepath.Join(base, "file.sock"), false); err == nil {
+		t.Error("listen over a regular file succeeded")
+	}
+	if err := os.Symlink(base, filepath.Join(base, "link")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := listen("unix:"+filepath.Join(base, "link", "x.sock"), true); !errors.Is(err, fsutil.ErrSymlink) {
+		t.Errorf("listen through a symlink = %v; want fsutil.ErrSymlink", err)
+	}
+	open := filepath.Join(base, "open")
+	if err := os.Mkdir(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := listen("unix:"+filepath.Join(open, "x.sock"), true); err == nil || !strings.Contains(err.Error(), "writable by kvmount's user alone") {
+		t.Errorf("a private socket in a world-writable directory = %v", err)
 	}
 }

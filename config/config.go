@@ -32,10 +32,14 @@ const (
 	// MinResyncInterval is the shortest resync_interval: a resync reads
 	// every mount from disk, and changes never wait for it.
 	MinResyncInterval = time.Second
-	// DefaultAdminAddress is the admin endpoint's address: loopback, on a
-	// port in the range of Prometheus' default port allocations for
-	// exporters (9100–9999).
+	// DefaultAdminAddress is the public admin endpoint's address:
+	// loopback, on a port in the range of Prometheus' default port
+	// allocations for exporters (9100–9999).
 	DefaultAdminAddress = "127.0.0.1:9797"
+	// DefaultAdminSocket is the private admin endpoint's unix socket, in
+	// the runtime directory systemd makes for the unit
+	// (RuntimeDirectory=kvmount).
+	DefaultAdminSocket = "/run/kvmount/kvmount.sock"
 	// MinPollInterval is the shortest poll_interval of any source kind.
 	MinPollInterval = 100 * time.Millisecond
 	// DefaultMode is the kubelet's default file mode for ConfigMap volumes.
@@ -78,9 +82,14 @@ type Config struct {
 	Sources map[string]*Source
 	// Mounts in file order.
 	Mounts []*Mount
-	// Admin is the address of the admin endpoint ("host:port" or
-	// "unix:/path"); "" turns it off.
+	// Admin is the address of the public admin endpoint ("host:port" on
+	// loopback, or "unix:/path"): /metrics, /healthz, /readyz; "" turns it
+	// off.
 	Admin string
+	// AdminSocket is the path of the private admin endpoint, a unix
+	// socket only root can use: every route and /status, which kvmount
+	// status reads; "" turns it off.
+	AdminSocket string
 	// Warnings are valid but probably unintended settings, such as a
 	// prefix without a trailing "/", in file order; kvmount check prints
 	// them and the daemon logs them.
@@ -222,10 +231,14 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 	_ = cfg.LogLevel.UnmarshalText([]byte(level))
 	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
 	cfg.ResyncInterval = top.DurationAtLeast("resync_interval", DefaultResyncInterval, MinResyncInterval)
-	cfg.Admin = DefaultAdminAddress
+	cfg.Admin, cfg.AdminSocket = DefaultAdminAddress, DefaultAdminSocket
 	if top.Has("admin") {
 		admin := top.Table("admin")
 		cfg.Admin = admin.String("address", DefaultAdminAddress)
+		cfg.AdminSocket = admin.String("socket", DefaultAdminSocket)
+		if p := cfg.AdminSocket; p != "" && (!filepath.IsAbs(p) || filepath.Clean(p) != p || len(p) > 107) {
+			admin.Errorf("socket", "%q: want an absolute, clean path of at most 107 bytes (a unix socket address's limit)", p)
+		}
 		if a := cfg.Admin; a != "" && !strings.HasPrefix(a, "unix:/") {
 			if host, _, err := net.SplitHostPort(a); err != nil {
 				admin.Errorf("address", "%q: want \"host:port\" or \"unix:/path\"", a)

@@ -9,7 +9,6 @@ import (
 	"context"
 	"io"
 	"log/slog"
-	"net"
 	"os"
 	"reflect"
 	"time"
@@ -69,14 +68,14 @@ type daemon struct {
 	rec      *reconcile.Reconciler
 	lock     *stateLock
 	notifier *notify.Notifier // nil in Once
-	admin    *admin.Server    // nil when [admin] address = "" or in Once
-	adminL   net.Listener
+	admin    *admin.Server    // nil in Once
 	service  *service
 }
 
 // load reads the configuration and wires the parts; nothing runs yet.
 // With service set (Run), it adds the notifier and the admin endpoint,
-// whose listener it opens, so that a port in use fails the start.
+// which listens in the background once Run starts it: a port someone else
+// holds is reported and retried, and never keeps a mount from projecting.
 func load(opts Options, observer reconcile.Observer, withService bool) (*daemon, error) {
 	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
 	if err != nil {
@@ -96,19 +95,9 @@ func load(opts Options, observer reconcile.Observer, withService bool) (*daemon,
 	}
 	observers := reconcile.Observers{observer}
 	if withService {
-		if cfg.Admin != "" {
-			if d.adminL, err = admin.Listen(cfg.Admin); err != nil {
-				d.lock.release()
-				return nil, err
-			}
-			d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log, Ping: func(ctx context.Context) error { return d.rec.Ping(ctx) }})
-			observers = append(observers, d.admin)
-		}
-		var onResult func(notify.Result)
-		if d.admin != nil {
-			onResult = d.admin.NotifyResult
-		}
-		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: onResult})
+		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log, Ping: func(ctx context.Context) error { return d.rec.Ping(ctx) }})
+		observers = append(observers, d.admin)
+		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: d.admin.NotifyResult})
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
 	}
@@ -193,9 +182,8 @@ func sourceMap(sources map[string]instance) map[string]source.Source {
 	return m
 }
 
-// close stops the follows, closes the sources, stops the notifier, closes
-// the admin listener if Run did not serve it, and releases the state
-// directory's lock.
+// close stops the follows, closes the sources, stops the notifier and
+// releases the state directory's lock.
 func (d *daemon) close() {
 	if d.pop != nil {
 		d.pop.Close()
@@ -206,9 +194,6 @@ func (d *daemon) close() {
 	if d.notifier != nil {
 		d.notifier.Close()
 	}
-	if d.adminL != nil {
-		d.adminL.Close()
-	}
 	d.lock.release()
 }
 
@@ -216,10 +201,11 @@ func (d *daemon) close() {
 // each Options.Reload. It holds an exclusive lock on the state directory
 // for its whole life; another instance holding it makes Run return an
 // error wrapping ErrLocked at once. An invalid configuration at start is
-// returned, and so is an admin address that cannot be listened on; an
-// invalid configuration at reload is logged and the running one stays in
-// force. It returns nil after a clean stop: running operations finish, no
-// write is left half done.
+// returned; an invalid configuration at reload is logged and the running
+// one stays in force. The admin endpoints listen in the background (an address that
+// cannot be listened on is retried and reported, never fatal). It returns
+// nil after a clean stop: running operations finish, no write is left half
+// done.
 func Run(ctx context.Context, opts Options) error {
 	svc := &service{notify: opts.Notify}
 	d, err := load(opts, svc, true)
@@ -227,7 +213,7 @@ func Run(ctx context.Context, opts Options) error {
 		return err
 	}
 	d.service = svc
-	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources), "admin", d.cfg.Admin)
+	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources), "admin", d.cfg.Admin, "admin_socket", d.cfg.AdminSocket)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error {
 		// STOPPING=1 as soon as the stop is asked for, not once the
@@ -237,11 +223,8 @@ func Run(ctx context.Context, opts Options) error {
 		return nil
 	})
 	g.Go(func() error { return d.rec.Run(gctx) })
-	if d.admin != nil {
-		l := d.adminL
-		d.adminL = nil // Serve closes it
-		g.Go(func() error { return d.admin.Serve(gctx, l) })
-	}
+	d.admin.SetEndpoints(admin.Endpoints{Address: d.cfg.Admin, Socket: d.cfg.AdminSocket})
+	g.Go(func() error { return d.admin.Run(gctx) })
 	if opts.WatchdogInterval > 0 {
 		g.Go(func() error {
 			svc.watchdog(gctx, opts.WatchdogInterval, d.rec.Ping)
@@ -266,7 +249,7 @@ func Run(ctx context.Context, opts Options) error {
 
 // reload re-reads the configuration and applies it: changed sources are
 // reopened, added mounts set up, removed ones torn down, notify entries
-// replaced; unchanged mounts are not touched.
+// and admin endpoints replaced; unchanged mounts are not touched.
 func (d *daemon) reload(ctx context.Context) {
 	d.service.send("reloading")
 	defer d.service.send("ready")
@@ -282,9 +265,6 @@ func (d *daemon) reload(ctx context.Context) {
 	if cfg.LogFormat != d.cfg.LogFormat {
 		d.log.Warn("log_format changes take effect at restart", "running", d.cfg.LogFormat, "configured", cfg.LogFormat)
 	}
-	if cfg.Admin != d.cfg.Admin {
-		d.log.Warn("[admin] address changes take effect at restart", "running", d.cfg.Admin, "configured", cfg.Admin)
-	}
 	opened, err := d.openSources(cfg)
 	if err != nil {
 		d.log.Error("cannot open sources; the running configuration stays in force", "err", err)
@@ -299,7 +279,9 @@ func (d *daemon) reload(ctx context.Context) {
 		return
 	}
 	d.notifier.SetMounts(cfg.Mounts)
+	d.admin.SetEndpoints(admin.Endpoints{Address: cfg.Admin, Socket: cfg.AdminSocket})
 	d.level.Set(cfg.LogLevel)
 	d.cfg.Sources, d.cfg.Mounts, d.cfg.LogLevel, d.cfg.ResyncInterval = cfg.Sources, cfg.Mounts, cfg.LogLevel, cfg.ResyncInterval
+	d.cfg.Admin, d.cfg.AdminSocket = cfg.Admin, cfg.AdminSocket
 	d.log.Info("configuration reloaded", "mounts", len(cfg.Mounts), "sources", len(cfg.Sources))
 }

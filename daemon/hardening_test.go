@@ -238,7 +238,7 @@ func TestLogLevelOnReload(t *testing.T) {
 	// the loop has handled it (the admin endpoint observes the same
 	// event right after the log line) before going back to debug.
 	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
-		_, body := unixGet(t, socket, "/status")
+		_, body := unixGet(t, h.statusSocket(), "/status")
 		var st admin.Status
 		if err := json.Unmarshal([]byte(body), &st); err == nil && st.Mounts["ll"] != nil && st.Mounts["ll"].Revision == "main@3" {
 			break

@@ -82,6 +82,9 @@ func newBareHarness(t *testing.T) *harness {
 	return h
 }
 
+// statusSocket is the private admin socket: /status and every route.
+func (h *harness) statusSocket() string { return h.path("run", "kvmount.sock") }
+
 // path returns a path inside the harness's temporary directory.
 func (h *harness) path(parts ...string) string {
 	return filepath.Join(append([]string{h.base}, parts...)...)
@@ -102,9 +105,10 @@ log_level = "debug"
 
 [admin]
 address = %q
+socket = %q
 
 %s
-%s`, h.path("state"), h.admin, sources, mounts)
+%s`, h.path("state"), h.admin, h.statusSocket(), sources, mounts)
 	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
 		h.t.Fatal(err)
 	}

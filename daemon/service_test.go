@@ -97,16 +97,23 @@ func TestQuiescence(t *testing.T) {
 	}
 }
 
-// unixGet GETs path from an admin endpoint on a unix socket.
+// unixGet GETs path from an admin endpoint on a unix socket, waiting for
+// it to listen: the endpoints listen in the background.
 func unixGet(t *testing.T, socket, path string) (int, string) {
 	t.Helper()
 	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", socket)
 	}}, Timeout: 10 * time.Second}
-	resp, err := client.Get("http://kvmount" + path)
-	if err != nil {
-		t.Fatal(err)
+	var resp *http.Response
+	var err error
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		if resp, err = client.Get("http://kvmount" + path); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal(err)
+		}
 	}
 	defer resp.Body.Close()
 	body, _ := io.ReadAll(resp.Body)
@@ -134,7 +141,7 @@ func TestAdminEndpoint(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	_, body := unixGet(t, socket, "/status")
+	_, body := unixGet(t, h.statusSocket(), "/status")
 	var st admin.Status
 	if err := json.Unmarshal([]byte(body), &st); err != nil {
 		t.Fatal(err)

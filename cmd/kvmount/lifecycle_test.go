@@ -117,6 +117,7 @@ func (e *env) writeAppConfig(admin, extra string) {
 	cfg := fmt.Sprintf(`state_dir = %q
 [admin]
 address = %q
+socket = %q
 [sources.main]
 type = "etcd"
 endpoints = [%q]
@@ -127,7 +128,7 @@ dir = %q
 source = "main"
 prefix = "/app/"
 %s
-`, filepath.Join(e.base, "state"), admin, e.etcd.Endpoint(), e.dir("app"), extra)
+`, filepath.Join(e.base, "state"), admin, e.socket(), e.etcd.Endpoint(), e.dir("app"), extra)
 	if err := os.WriteFile(e.config, []byte(cfg), 0o644); err != nil {
 		e.t.Fatal(err)
 	}

@@ -241,7 +241,7 @@ func newEnv(t *testing.T) *env {
 func (e *env) writeConfig(mounts ...string) {
 	e.t.Helper()
 	var b strings.Builder
-	fmt.Fprintf(&b, "state_dir = %q\n[admin]\naddress = \"\"\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n", filepath.Join(e.base, "state"), e.etcd.Endpoint())
+	fmt.Fprintf(&b, "state_dir = %q\n[admin]\naddress = \"\"\nsocket = %q\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n", filepath.Join(e.base, "state"), e.socket(), e.etcd.Endpoint())
 	for _, m := range mounts {
 		fmt.Fprintf(&b, "[[mount]]\nname = %q\ndir = %q\nsource = \"main\"\nprefix = \"/%s/\"\n", m, e.dir(m), m)
 	}
@@ -251,6 +251,9 @@ func (e *env) writeConfig(mounts ...string) {
 }
 
 func (e *env) dir(mount string) string { return filepath.Join(e.base, "mnt", mount) }
+
+// socket is the daemon's private admin socket, which kvmount status reads.
+func (e *env) socket() string { return filepath.Join(e.base, "run", "kvmount.sock") }
 
 func (e *env) put(key, value string) {
 	e.t.Helper()

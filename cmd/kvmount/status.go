@@ -7,9 +7,12 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strings"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/config"
@@ -22,24 +25,26 @@ const exitUnreachable = 2
 // statusTimeout bounds the request to the admin endpoint.
 const statusTimeout = 5 * time.Second
 
-// status asks the daemon that configPath configures for its /status and
-// prints one line per mount — name, state, version, age of the last
-// success, last error — and the sources that are down. It returns 0 when
-// the daemon is ready (every non-optional mount current), 1 when it is
-// not, 2 when it cannot be reached.
+// status asks the daemon that configPath configures for its /status, over
+// its private admin socket, and prints one line per mount — name, state,
+// version, age of the last success, last error or failing notification —
+// then the sources that are down and the admin endpoints that do not
+// listen. It returns 0 when every non-optional mount is current and its
+// notifications succeed, and every endpoint listens; 1 otherwise; 2 when
+// the daemon cannot be reached, or the socket is not root's.
 func status(ctx context.Context, configPath string, reg *source.Registry, stdout, stderr io.Writer) int {
 	cfg, err := config.Load(configPath, reg.Decoders())
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return exitUnreachable
 	}
-	if cfg.Admin == "" {
-		fmt.Fprintf(stderr, "kvmount status: %s turns the admin endpoint off ([admin] address = \"\")\n", configPath)
+	if cfg.AdminSocket == "" {
+		fmt.Fprintf(stderr, "kvmount status: %s turns the private admin socket off ([admin] socket = \"\")\n", configPath)
 		return exitUnreachable
 	}
-	st, err := fetchStatus(ctx, cfg.Admin)
+	st, err := fetchStatus(ctx, cfg.AdminSocket)
 	if err != nil {
-		fmt.Fprintf(stderr, "kvmount status: the daemon at %s cannot be reached: %v\n", cfg.Admin, err)
+		fmt.Fprintf(stderr, "kvmount status: the daemon at %s cannot be reached: %v\n", cfg.AdminSocket, err)
 		return exitUnreachable
 	}
 	now := time.Now()
@@ -48,6 +53,7 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 		names = append(names, name)
 	}
 	slices.Sort(names)
+	ok := st.Ready
 	for _, name := range names {
 		m := st.Mounts[name]
 		age := "never"
@@ -69,28 +75,38 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 			fmt.Fprintf(stdout, "source %s is down: %s\n", name, firstLine(src.LastError))
 		}
 	}
-	if !st.Ready {
+	for _, ep := range st.Endpoints {
+		if !ep.Listening {
+			ok = false
+			fmt.Fprintf(stdout, "admin endpoint %s does not listen: %s (retrying)\n", ep.Address, firstLine(ep.Error))
+		}
+	}
+	if !ok {
 		return exitFailure
 	}
 	return exitOK
 }
 
-// fetchStatus GETs /status from the admin endpoint at address ("host:port"
-// or "unix:/path").
-func fetchStatus(ctx context.Context, address string) (*admin.Status, error) {
+// fetchStatus GETs /status from the private admin socket at path, after
+// checking that the process listening there runs as root (or as the user
+// running kvmount status): SO_PEERCRED, not the path, says who answers.
+func fetchStatus(ctx context.Context, path string) (*admin.Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
-	transport := &http.Transport{}
-	url := "http://" + address + "/status"
-	if path, ok := strings.CutPrefix(address, "unix:"); ok {
-		transport.DialContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", path)
+	transport := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unix", path)
+		if err != nil {
+			return nil, err
 		}
-		url = "http://kvmount/status"
-	}
+		if err := checkPeer(c.(*net.UnixConn)); err != nil {
+			c.Close()
+			return nil, err
+		}
+		return c, nil
+	}}
 	defer transport.CloseIdleConnections()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://kvmount/status", nil)
 	if err != nil {
 		return nil, err
 	}
@@ -103,10 +119,33 @@ func fetchStatus(ctx context.Context, address string) (*admin.Status, error) {
 		return nil, fmt.Errorf("/status answered %s", resp.Status)
 	}
 	var st admin.Status
-	if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+	if err := json.NewDecoder(io.LimitReader(resp.Body, 64<<20)).Decode(&st); err != nil {
 		return nil, fmt.Errorf("/status: %w", err)
 	}
 	return &st, nil
+}
+
+// checkPeer returns an error unless the process at the other end of c runs
+// as root or as this process's user.
+func checkPeer(c *net.UnixConn) error {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if cerr != nil {
+		return cerr
+	}
+	if cred.Uid != 0 && int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("the socket is served by uid %d (pid %d), not root: not kvmount", cred.Uid, cred.Pid)
+	}
+	return nil
 }
 
 // firstLine cuts s at its first newline.
