@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
@@ -260,5 +261,39 @@ func TestSocketsAreMadeSafely(t *testing.T) {
 	}
 	if _, err := listen("unix:"+filepath.Join(open, "x.sock"), true); err == nil || !strings.Contains(err.Error(), "writable by kvmount's user alone") {
 		t.Errorf("a private socket in a world-writable directory = %v", err)
+	}
+}
+
+// TestSocketSymlinkRace is the review's twelfth finding, played by a real
+// unprivileged user who owns the public socket's directory and swaps the
+// socket for a symlink to a root-only file, again and again, while
+// kvmount makes the socket: the file's mode never changes (the review saw
+// root chmod it to 0660 through the symlink).
+func TestSocketSymlinkRace(t *testing.T) {
+	u := roottest.NewUser(t)
+	base := roottest.TempDir(t)
+	victim := filepath.Join(base, "shadow")
+	if err := os.WriteFile(victim, []byte("root:$6$hash\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(base, "run")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	u.Chown(t, dir)
+	sock := filepath.Join(dir, "admin.sock")
+	racer := u.Command("sh", "-c", "end=$(($(date +%s) + 3)); while [ $(date +%s) -lt $end ]; do rm -f "+sock+"; ln -s "+victim+" "+sock+"; done")
+	if err := racer.Start(); err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(3 * time.Second); time.Now().Before(end); {
+		if l, err := listen("unix:"+sock, false); err == nil {
+			l.Close()
+		}
+	}
+	racer.Wait()
+	info, err := os.Stat(victim)
+	if err != nil || info.Mode().Perm() != 0o600 {
+		t.Errorf("the root-only file is now %v, %v; want 0600", info.Mode(), err)
 	}
 }

@@ -160,11 +160,20 @@ func (v View) mount() error {
 	}
 	defer unix.Close(tree)
 	attr := unix.MountAttr{Attr_set: unix.MOUNT_ATTR_RDONLY | unix.MOUNT_ATTR_NOSUID | unix.MOUNT_ATTR_NODEV}
-	if err := unix.MountSetattr(tree, "", unix.AT_EMPTY_PATH, &attr); err != nil {
-		return &fs.PathError{Op: "mount_setattr", Path: candidate.Name(), Err: err}
+	setattr := unix.MountSetattr(tree, "", unix.AT_EMPTY_PATH, &attr)
+	if setattr != nil && !errors.Is(setattr, unix.ENOSYS) {
+		return &fs.PathError{Op: "mount_setattr", Path: candidate.Name(), Err: setattr}
 	}
 	if err := unix.MoveMount(tree, "", int(target.Fd()), "", unix.MOVE_MOUNT_F_EMPTY_PATH|unix.MOVE_MOUNT_T_EMPTY_PATH); err != nil {
 		return &fs.PathError{Op: "bind", Path: v.MountDir, Err: err}
+	}
+	if setattr != nil {
+		// Before Linux 5.12 (no mount_setattr): remount the bind, whose
+		// root tree still holds, read-only.
+		treePath := fmt.Sprintf("/proc/self/fd/%d", tree)
+		if err := unix.Mount("", treePath, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY|unix.MS_NOSUID|unix.MS_NODEV, ""); err != nil {
+			return &fs.PathError{Op: "remount read-only", Path: v.MountDir, Err: err}
+		}
 	}
 	return nil
 }

@@ -443,3 +443,58 @@ func TestDirModeAndOwnerFollowReload(t *testing.T) {
 		})
 	}
 }
+
+// TestFileCountLimits is the review's fourteenth finding: many empty keys
+// took inodes and kernel memory that no byte count saw (100,000 put 200,003
+// inodes and 205 MB into a 64 KiB tmpfs). Every file and directory now
+// counts a page against size_limit, max_files bounds every medium, and the
+// tmpfs has an inode limit to match; a payload over them is held back —
+// the mount keeps its content — and counted as a guard rejection.
+func TestFileCountLimits(t *testing.T) {
+	roottest.Require(t)
+	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
+	dir, disk := h.path("mnt", "small"), h.path("mnt", "few")
+	roottest.UnmountAtEnd(t, dir)
+	h.put("/small/a", "1", "/few/a", "1")
+	h.writeConfig(h.mount("small", "/small/", `medium = "tmpfs"`, `size_limit = "64KiB"`) + h.mount("few", "/few/", `max_files = 50`))
+	h.start()
+	h.waitContent(dir, map[string]string{"a": "1"})
+	h.waitContent(disk, map[string]string{"a": "1"})
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	if want := uint64(projector.TmpfsInodes(64<<10, 10_000)); sfs.Files != want {
+		t.Errorf("the tmpfs has %d inodes; want %d", sfs.Files, want)
+	}
+	// 100 empty keys: 0 bytes, but 100 pages against a 16-page size_limit.
+	var kv []string
+	for i := range 100 {
+		kv = append(kv, fmt.Sprintf("/small/e%03d", i), "")
+		if i < 60 {
+			kv = append(kv, fmt.Sprintf("/few/e%03d", i), "")
+		}
+	}
+	for len(kv) > 0 { // etcd takes at most 128 operations per transaction
+		n := min(len(kv), 200)
+		h.put(kv[:n]...)
+		kv = kv[n:]
+	}
+	h.waitLog("operation failed", "mount=small", "more than size_limit")
+	h.waitLog("cannot build mount payload", "mount=few", "max_files (50)")
+	h.waitMetric(socket, `kvmount_guard_rejections_total{guard="size_limit",mount="small"}`)
+	h.waitMetric(socket, `kvmount_guard_rejections_total{guard="max_files",mount="few"}`)
+	for _, d := range []string{dir, disk} {
+		if got, _ := content(d); len(got) != 1 || got["a"] != "1" {
+			t.Errorf("%s holds %s after the refused payload; want its last content", d, summary(got))
+		}
+	}
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	if used := sfs.Files - sfs.Ffree; used > 16 {
+		t.Errorf("%d inodes in use on the tmpfs; want the one version's few", used)
+	}
+}

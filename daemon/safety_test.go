@@ -223,7 +223,7 @@ func TestHostileInputChangesNothingOutside(t *testing.T) {
 	// "../x" would land, is compared like everything else.
 	after := tree(t, h.base, dir, state, h.path("etcd"))
 	for p := range after {
-		if _, ok := before[p]; !ok && p != mounts && p != dir {
+		if _, ok := before[p]; !ok && p != mounts && p != dir && p != filepath.Dir(h.statusSocket()) {
 			t.Errorf("created outside the mount: %s", p)
 		}
 	}

@@ -147,7 +147,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				return fmt.Errorf("mount %q: path %q comes from both source %q key %q and source %q key %q", mount, clean, projections[by.projection].Source, by.key, pr.Source, pr.Prefix+key)
 			}
 			if opts.MaxFiles > 0 && len(payload) >= opts.MaxFiles {
-				return fmt.Errorf("mount %q: the payload has more than %d files (%w)", mount, opts.MaxFiles, ErrTooManyFiles)
+				return fmt.Errorf("mount %q: the payload has more files than %w (%d) allows", mount, ErrTooManyFiles, opts.MaxFiles)
 			}
 			owner[clean] = origin{projection: i, key: pr.Prefix + key}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
@@ -198,7 +198,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 		}
 	}
 	if opts.MaxFiles > 0 && len(payload) > opts.MaxFiles {
-		return nil, nil, fmt.Errorf("mount %q: the payload has %d files, more than %w (%d)", mount, len(payload), ErrTooManyFiles, opts.MaxFiles)
+		return nil, nil, fmt.Errorf("mount %q: the payload has more files than %w (%d) allows", mount, ErrTooManyFiles, opts.MaxFiles)
 	}
 	if opts.MaxSize > 0 {
 		if size := payload.Size(); size > opts.MaxSize {
