@@ -64,7 +64,10 @@ type Server struct {
 
 // Status is what /status serves.
 type Status struct {
-	// Ready is what /readyz answers; Reasons say why not.
+	// Ready is what /readyz answers: every non-optional mount holds its
+	// current desired payload and no source it uses is stale. It is about
+	// the files: a mount whose notification fails (notify_failed) holds
+	// the right files and is ready. Reasons say why not.
 	Ready   bool     `json:"ready"`
 	Reasons []string `json:"reasons,omitempty"`
 	// Mounts and Sources by name.
@@ -80,6 +83,10 @@ type Status struct {
 // Mount states in MountStatus.State.
 const (
 	StateCurrent  = "current"  // holds its current desired payload
+	// StateNotifyFailed: holds its current desired payload, but the last
+	// attempt to notify of it failed (and is retried with backoff): the
+	// files are right, the service reading them may not have reloaded.
+	StateNotifyFailed = "notify_failed"
 	StatePending  = "pending"  // a newer payload is being written or waits for quiescence
 	StateWaiting  = "waiting"  // no snapshot yet from a source
 	StateStale    = "stale"    // a source cannot be read, or an update is held back
@@ -110,6 +117,8 @@ type MountStatus struct {
 	LastError string `json:"last_error,omitempty"`
 	// LastNotification is the result of the last notification attempt.
 	LastNotification *NotificationStatus `json:"last_notification,omitempty"`
+	// pass is the mount's status after the reconciler's last pass.
+	pass reconcile.MountStatus
 }
 
 // NotificationStatus is the last notification attempt of a mount.
@@ -158,7 +167,8 @@ func (s *Server) Observe(ev reconcile.Event) {
 			m := s.mount(st.Name)
 			m.Dir, m.Medium, m.Optional = st.Dir, st.Medium, st.Optional
 			prev := m.State
-			m.State, m.LastError = mountState(st)
+			m.pass = st
+			m.State, m.LastError = MountState(st, notifyError(m))
 			if m.State == StateStale && prev != StateStale {
 				t := ev.Time
 				m.StaleSince = &t
@@ -205,7 +215,11 @@ func (s *Server) NotifyResult(r notify.Result) {
 	if r.Err != nil {
 		n.Error = r.Err.Error()
 	}
-	s.mount(r.Mount).LastNotification = n
+	m := s.mount(r.Mount)
+	m.LastNotification = n
+	if m.pass.Name != "" {
+		m.State, m.LastError = MountState(m.pass, notifyError(m))
+	}
 }
 
 // mount returns the status of name, creating it; s.mu must be held.
@@ -239,13 +253,20 @@ func removed[V any](known map[string]V, mounts []reconcile.MountStatus) iter.Seq
 	}
 }
 
-// mountState derives a mount's state and error from its pass status.
-func mountState(st reconcile.MountStatus) (state, lastErr string) {
+// MountState returns the state of a mount, and why it is not current:
+// from its status after the reconciler's last pass and the error of its
+// last notification attempt ("" when that succeeded, or none was made).
+// These are the words /status, kvmount status and systemd's status line
+// all use: current, notify_failed, pending, waiting, stale, failed,
+// optional.
+func MountState(st reconcile.MountStatus, notifyErr string) (state, why string) {
 	switch {
 	case st.Err != nil:
 		return StateFailed, st.Err.Error()
 	case len(st.Stale) > 0:
 		return StateStale, errors.Join(st.Stale...).Error()
+	case st.Projected && notifyErr != "":
+		return StateNotifyFailed, notifyErr
 	case st.Projected:
 		return StateCurrent, ""
 	case len(st.Waiting) > 0:
@@ -255,6 +276,15 @@ func mountState(st reconcile.MountStatus) (state, lastErr string) {
 		return StateWaiting, "no snapshot yet from " + strings.Join(st.Waiting, ", ")
 	}
 	return StatePending, ""
+}
+
+// notifyError is the error of m's last notification attempt, "" when it
+// succeeded or none was made.
+func notifyError(m *MountStatus) string {
+	if n := m.LastNotification; n != nil && !n.OK {
+		return fmt.Sprintf("notification %s %s: %s", n.Kind, n.Target, n.Error)
+	}
+	return ""
 }
 
 // Status returns a copy of what /status serves.
@@ -269,7 +299,7 @@ func (s *Server) Status() Status {
 	for name, m := range s.mounts {
 		c := *m
 		st.Mounts[name] = &c
-		if !m.Optional && m.State != StateCurrent {
+		if !m.Optional && m.State != StateCurrent && m.State != StateNotifyFailed {
 			st.Ready = false
 			reason := fmt.Sprintf("mount %s is %s", name, m.State)
 			st.brief = append(st.brief, reason)

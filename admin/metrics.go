@@ -23,6 +23,7 @@ type metrics struct {
 	guards         *prometheus.CounterVec
 	notifications  *prometheus.CounterVec
 	notifyDuration *prometheus.HistogramVec
+	notifyFailing  *prometheus.GaugeVec
 	sourceUp       *prometheus.GaugeVec
 	sourceErrors   *prometheus.CounterVec
 	// known are the mounts with series, to delete those of removed mounts,
@@ -63,6 +64,8 @@ func newMetrics(reg prometheus.Registerer, version string) *metrics {
 		notifyDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvmount_notify_duration_seconds",
 			Help:    "Time of one notification attempt.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"kind"}),
+		notifyFailing: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_notify_failing",
+			Help: "1 while the last attempt to notify of the mount's current version failed (it is retried with backoff), else 0."}, []string{"mount"}),
 		sourceUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_source_up",
 			Help: "1 while the source can be read, else 0."}, []string{"source"}),
 		sourceErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_source_errors_total",
@@ -70,7 +73,7 @@ func newMetrics(reg prometheus.Registerer, version string) *metrics {
 		known: map[string]float64{},
 	}
 	for _, c := range []prometheus.Collector{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes, m.projections,
-		m.duration, m.guards, m.notifications, m.notifyDuration, m.sourceUp, m.sourceErrors} {
+		m.duration, m.guards, m.notifications, m.notifyDuration, m.notifyFailing, m.sourceUp, m.sourceErrors} {
 		f(c)
 	}
 	return m
@@ -135,6 +138,11 @@ func (m *metrics) notified(r notify.Result) {
 		result = "failure"
 	}
 	m.notifications.WithLabelValues(r.Mount, r.Kind, result).Inc()
+	failing := 0.0
+	if r.Err != nil {
+		failing = 1
+	}
+	m.notifyFailing.WithLabelValues(r.Mount).Set(failing)
 	m.notifyDuration.WithLabelValues(r.Kind).Observe(r.Duration.Seconds())
 }
 
@@ -142,7 +150,7 @@ func (m *metrics) notified(r notify.Result) {
 func (m *metrics) forget(mount string) {
 	delete(m.known, mount)
 	labels := prometheus.Labels{"mount": mount}
-	for _, v := range []*prometheus.GaugeVec{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes} {
+	for _, v := range []*prometheus.GaugeVec{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes, m.notifyFailing} {
 		v.DeletePartialMatch(labels)
 	}
 	for _, v := range []*prometheus.CounterVec{m.projections, m.guards, m.notifications} {

@@ -73,10 +73,10 @@ type daemon struct {
 }
 
 // load reads the configuration and wires the parts; nothing runs yet.
-// With service set (Run), it adds the notifier and the admin endpoint,
+// With svc set (Run), it adds the notifier and the admin endpoint,
 // which listens in the background once Run starts it: a port someone else
 // holds is reported and retried, and never keeps a mount from projecting.
-func load(opts Options, observer reconcile.Observer, withService bool) (*daemon, error) {
+func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, error) {
 	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
 	if err != nil {
 		return nil, err
@@ -94,10 +94,13 @@ func load(opts Options, observer reconcile.Observer, withService bool) (*daemon,
 		return nil, err
 	}
 	observers := reconcile.Observers{observer}
-	if withService {
+	if svc != nil {
 		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log, Ping: func(ctx context.Context) error { return d.rec.Ping(ctx) }})
 		observers = append(observers, d.admin)
-		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: d.admin.NotifyResult})
+		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: func(r notify.Result) {
+			d.admin.NotifyResult(r)
+			svc.notifyResult(r)
+		}})
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
 	}
@@ -208,7 +211,7 @@ func (d *daemon) close() {
 // done.
 func Run(ctx context.Context, opts Options) error {
 	svc := &service{notify: opts.Notify}
-	d, err := load(opts, svc, true)
+	d, err := load(opts, svc, svc)
 	if err != nil {
 		return err
 	}

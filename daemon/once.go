@@ -44,7 +44,7 @@ func Once(ctx context.Context, opts Options, timeout time.Duration) error {
 				cancel()
 			}
 		}
-	}), false)
+	}), nil)
 	if err != nil {
 		return err
 	}

@@ -4,11 +4,13 @@ import (
 	"context"
 	"fmt"
 	"runtime/debug"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
 )
@@ -23,6 +25,11 @@ type service struct {
 	mu     sync.Mutex
 	ready  bool
 	status string
+	// mounts are the mounts' status after the last pass; notified holds
+	// the error of each mount's last notification attempt, "" after a
+	// success.
+	mounts   []reconcile.MountStatus
+	notified map[string]string
 }
 
 // send passes state to Options.Notify, if set.
@@ -44,9 +51,8 @@ func (s *service) Observe(ev reconcile.Event) {
 	if first {
 		s.ready = true
 	}
-	line := statusLine(pass.Mounts)
-	changed := line != s.status
-	s.status = line
+	s.mounts = pass.Mounts
+	line, changed := s.updateLine()
 	s.mu.Unlock()
 	if changed {
 		s.send("status=" + line)
@@ -60,6 +66,33 @@ func (s *service) Observe(ev reconcile.Event) {
 		// On its own goroutine: Observe must not block the loop.
 		go debug.FreeOSMemory()
 	}
+}
+
+// notifyResult records a notification attempt's outcome, which the status
+// line shows (notify_failed), from the notifier's goroutines.
+func (s *service) notifyResult(r notify.Result) {
+	s.mu.Lock()
+	if s.notified == nil {
+		s.notified = map[string]string{}
+	}
+	s.notified[r.Mount] = ""
+	if r.Err != nil {
+		s.notified[r.Mount] = fmt.Sprintf("notification %s %s: %v", r.Kind, r.Target, r.Err)
+	}
+	line, changed := s.updateLine()
+	s.mu.Unlock()
+	if changed {
+		s.send("status=" + line)
+	}
+}
+
+// updateLine makes the status line anew and reports whether it changed;
+// s.mu is held.
+func (s *service) updateLine() (string, bool) {
+	line := statusLine(s.mounts, s.notified)
+	changed := line != s.status
+	s.status = line
+	return line, changed
 }
 
 // watchdog sends "watchdog" every interval while ping — the reconciler's
@@ -96,22 +129,16 @@ func settled(st []reconcile.MountStatus) bool {
 
 // statusLine summarises mounts for systemd's STATUS=, such as "12 mounts:
 // 11 current, 1 stale (api: source main unreachable)": the counts by state
-// and the first mount that is not current, with why.
-func statusLine(mounts []reconcile.MountStatus) string {
+// — admin.MountState's words, as /status and kvmount status use them — and
+// the first mount that is not current, with why. notified holds the error
+// of each mount's last notification attempt.
+func statusLine(mounts []reconcile.MountStatus, notified map[string]string) string {
 	counts := map[string]int{}
 	first := ""
 	for _, m := range mounts {
-		state, why := "current", ""
-		switch {
-		case m.Projected && len(m.Stale) == 0:
-		case m.Err != nil:
-			state, why = "failing", m.Err.Error()
-		case len(m.Stale) > 0:
-			state, why = "stale", m.Stale[0].Error()
-		case len(m.Waiting) > 0:
-			state, why = "waiting", "waiting for "+strings.Join(m.Waiting, ", ")
-		default:
-			state = "updating"
+		state, why := admin.MountState(m, notified[m.Name])
+		if state == admin.StateOptional {
+			state = admin.StateCurrent
 		}
 		counts[state]++
 		if first == "" && why != "" {
@@ -140,15 +167,20 @@ func statusLine(mounts []reconcile.MountStatus) string {
 	return line
 }
 
-func order(state string) int {
-	return strings.Index("current updating waiting stale failing", state)
-}
+// stateOrder is the order of states in the status line.
+var stateOrder = []string{admin.StateCurrent, admin.StatePending, admin.StateWaiting, admin.StateStale, admin.StateFailed, admin.StateNotifyFailed}
 
-// firstLine cuts s at its first newline and at 120 bytes.
+func order(state string) int { return slices.Index(stateOrder, state) }
+
+// statusWhyLimit bounds the reason in the status line, in bytes: room for
+// a failed check's last lines of output (reconcile.CheckOutputLimit).
+const statusWhyLimit = 512
+
+// firstLine cuts s at its first newline and at statusWhyLimit bytes.
 func firstLine(s string) string {
 	s, _, _ = strings.Cut(s, "\n")
-	if len(s) > 120 {
-		s = s[:117] + "..."
+	if len(s) > statusWhyLimit {
+		s = strings.ToValidUTF8(s[:statusWhyLimit-3], "") + "..."
 	}
 	return s
 }

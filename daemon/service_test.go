@@ -101,7 +101,9 @@ func TestQuiescence(t *testing.T) {
 // it to listen: the endpoints listen in the background.
 func unixGet(t *testing.T, socket, path string) (int, string) {
 	t.Helper()
-	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+	// One connection per request: the endpoint serves at most
+	// admin.MaxConnections at once, and kept-alive ones count.
+	client := &http.Client{Transport: &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", socket)
 	}}, Timeout: 10 * time.Second}
@@ -188,4 +190,54 @@ func TestAdminEndpoint(t *testing.T) {
 	if !strings.Contains(lines, "1 mount: 1 stale (ad: source \"main\"") {
 		t.Errorf("STATUS= lines %q; want the stale mount and why", lines)
 	}
+}
+
+// TestFailingNotificationIsReported: while a mount's notification keeps
+// failing, /status says notify_failed (kvmount status exits 1 on it), the
+// metric kvmount_mount_notify_failing is 1 and systemd's status line says
+// so in the same word; /readyz stays 200, the files being current. Once
+// the target works again, the retry succeeds and all of it clears.
+func TestFailingNotificationIsReported(t *testing.T) {
+	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
+	gate := h.path("gate")
+	h.put("/nf/a", "1")
+	h.writeConfig(h.mount("nf", "/nf/", "[[mount.notify]]\ncommand = [\"test\", \"-e\", \""+gate+"\"]\n"))
+	h.start()
+	h.waitContent(h.path("mnt", "nf"), map[string]string{"a": "1"})
+	state := func(want string) {
+		t.Helper()
+		for deadline := time.Now().Add(waitTimeout); ; time.Sleep(20 * time.Millisecond) {
+			_, body := unixGet(t, h.statusSocket(), "/status")
+			var st admin.Status
+			if err := json.Unmarshal([]byte(body), &st); err == nil && st.Mounts["nf"] != nil && st.Mounts["nf"].State == want {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("/status never said %s: %s", want, body)
+			}
+		}
+	}
+	state(admin.StateNotifyFailed)
+	h.waitMetric(socket, `kvmount_mount_notify_failing{mount="nf"} 1`)
+	if code, body := unixGet(t, socket, "/readyz"); code != http.StatusOK {
+		t.Errorf("/readyz = %d %q; want 200: the files are current", code, body)
+	}
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(20 * time.Millisecond) {
+		h.statusMu.Lock()
+		lines := strings.Join(h.statusLines, "\n")
+		h.statusMu.Unlock()
+		if strings.Contains(lines, "1 mount: 1 notify_failed (nf: notification command test: command test: exit status 1)") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("STATUS= lines %q lack the failing notification", lines)
+		}
+	}
+	if err := os.WriteFile(gate, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	state(admin.StateCurrent)
+	h.waitMetric(socket, `kvmount_mount_notify_failing{mount="nf"} 0`)
 }

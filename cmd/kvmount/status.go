@@ -56,6 +56,9 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 	ok := st.Ready
 	for _, name := range names {
 		m := st.Mounts[name]
+		if m.State == admin.StateNotifyFailed {
+			ok = false
+		}
 		age := "never"
 		if m.LastSuccess != nil {
 			age = now.Sub(*m.LastSuccess).Round(time.Second).String() + " ago"
