@@ -82,16 +82,16 @@ type Status struct {
 
 // Mount states in MountStatus.State.
 const (
-	StateCurrent  = "current"  // holds its current desired payload
+	StateCurrent = "current" // holds its current desired payload
 	// StateNotifyFailed: holds its current desired payload, but the last
 	// attempt to notify of it failed (and is retried with backoff): the
 	// files are right, the service reading them may not have reloaded.
 	StateNotifyFailed = "notify_failed"
-	StatePending  = "pending"  // a newer payload is being written or waits for quiescence
-	StateWaiting  = "waiting"  // no snapshot yet from a source
-	StateStale    = "stale"    // a source cannot be read, or an update is held back
-	StateFailed   = "failed"   // the payload cannot be built, or the last write failed
-	StateOptional = "optional" // an optional mount not projected
+	StatePending      = "pending"  // a newer payload is being written or waits for quiescence
+	StateWaiting      = "waiting"  // no snapshot yet from a source
+	StateStale        = "stale"    // a source cannot be read, or an update is held back
+	StateFailed       = "failed"   // the payload cannot be built, or the last write failed
+	StateOptional     = "optional" // an optional mount not projected
 )
 
 // MountStatus is one mount's entry in /status.
