@@ -21,9 +21,10 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent once)
+test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent and an etcd server once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
-		KVMOUNT_CONSUL=$$bin $(GO) test -race -count=1 -timeout 30m ./...
+		etcd=$$(scripts/etcd-server.sh) && echo "etcd server: $$etcd" && \
+		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd $(GO) test -race -count=1 -timeout 30m ./...
 
 consul-agent: ## build (once) and print the Consul agent the tests run, cached outside the repository
 	@scripts/consul-agent.sh

@@ -1,5 +1,5 @@
 // Package etcd is the etcd v3 source kind: it reads a key prefix at one
-// revision, page by page, then watches it from the next revision, folding
+// revision, page by page, then watches it from that revision on, folding
 // events into a map and publishing the whole map once per watch response —
 // so the keys of one transaction switch together. Change detection "poll"
 // re-reads the prefix every poll_interval instead (the kubelet's TTL cache
@@ -212,7 +212,7 @@ func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 	if err != nil {
 		return nil, nil, fmt.Errorf("source/etcd: connect %s: %w", strings.Join(s.cfg.Endpoints, ","), err)
 	}
-	s.client, s.monitor = cli, startMonitor(cli, s.cfg.Endpoints)
+	s.client, s.monitor = cli, startMonitor(cli, s.cfg.Endpoints, s.log)
 	return cli, s.monitor, nil
 }
 
@@ -417,7 +417,8 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 	}
 }
 
-// watch follows the prefix from rev+1, publishing once per watch response,
+// watch follows the prefix from rev, the revision read, publishing once per
+// watch response,
 // until the watch ends. It always returns an error saying why.
 func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor, entries map[string][]byte, rev int64) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
@@ -427,8 +428,14 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 	sub := mon.subscribe(f.prefix, f.pub)
 	defer mon.unsubscribe(sub)
 
+	// From rev, not rev+1 (etcd's mirror): the events of rev are in the
+	// snapshot already and change nothing when folded in again, and a
+	// watch whose start revision is not beyond the store's is one etcd
+	// answers progress requests for — on an idle store, one from rev+1
+	// would never be answered, and the stall detection (stall.go) could
+	// not tell it from a frozen member.
 	key, end := span(f.prefix)
-	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev+1), clientv3.WithProgressNotify())
+	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev), clientv3.WithProgressNotify())
 	for {
 		var resp clientv3.WatchResponse
 		var ok bool
@@ -438,10 +445,18 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 				return err
 			}
 			continue
+		case err := <-sub.stall:
+			// A new stream, on another member if the monitor could
+			// avoid this one: a read and a watch from scratch.
+			return fmt.Errorf("%w: %w", errResync, err)
 		case resp, ok = <-wch:
 		}
 		if !ok {
 			break
+		}
+		if sub.hear(resp.Header.MemberId) {
+			f.log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
+			f.pub.Status(nil)
 		}
 		if err := f.observe(&resp.Header); err != nil {
 			return err

@@ -3,8 +3,11 @@ package etcd
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -13,10 +16,10 @@ import (
 	"github.com/kvmount/kvmount/source"
 )
 
-// monitor watches the connection of a Source's client on behalf of all the
-// watches that use it — one goroutine per client, not one per prefix: with
-// a thousand prefixes, a thousand goroutines and their stacks waiting for
-// the same state change.
+// monitor watches the connection of a Source's client, and the progress of
+// the watches on it (stall.go), on behalf of all the watches that use it —
+// two goroutines per client, not per prefix: with a thousand prefixes, a
+// thousand goroutines and their stacks waiting for the same state change.
 //
 // It reports each watch's prefix stale while the connection is in
 // transient failure, and current again once it is ready: a watch
@@ -26,14 +29,24 @@ import (
 // that an etcd that came back with less data is noticed at once rather
 // than at the next progress notification (every 10 minutes by default).
 type monitor struct {
-	cli       *clientv3.Client
-	endpoints string
-	cancel    context.CancelFunc
-	done      chan struct{}
+	cli          *clientv3.Client
+	endpoints    string
+	endpointList []string
+	log          *slog.Logger
+	cancel       context.CancelFunc
+	done         chan struct{}
 
 	mu    sync.Mutex
 	state connectivity.State
 	subs  map[*subscriber]struct{}
+
+	// avoided are the members left out of the client's endpoints after
+	// a stall, each with the cancel of its probe (stall.go).
+	avoidMu sync.Mutex
+	avoided map[uint64]context.CancelFunc
+	// progressRequests counts the progress requests sent, for tests and
+	// benchmarks.
+	progressRequests atomic.Int64
 }
 
 // subscriber is one watch's interest in the connection.
@@ -43,19 +56,56 @@ type subscriber struct {
 	// probes receives the header of the read made after each reconnect;
 	// it holds one, the newest.
 	probes chan *etcdserverpb.ResponseHeader
+	// heardAt is when the watch last received anything (Unix ns), and
+	// member the member ID in that response's header.
+	heardAt atomic.Int64
+	member  atomic.Uint64
+	// stalledErr is set while the watch is reported stalled; stall
+	// tells the watch to start again, on a new stream.
+	stalledErr atomic.Bool
+	stall      chan error
 }
 
-// startMonitor starts watching cli's connection until stop.
-func startMonitor(cli *clientv3.Client, endpoints []string) *monitor {
+// heard returns when the watch last received anything.
+func (s *subscriber) heard() time.Time { return time.Unix(0, s.heardAt.Load()) }
+
+// hear records a response from member; it returns true when the watch had
+// been reported stalled, and is current again.
+func (s *subscriber) hear(member uint64) bool {
+	s.heardAt.Store(time.Now().UnixNano())
+	if member != 0 {
+		s.member.Store(member)
+	}
+	return s.stalledErr.Swap(false)
+}
+
+// startMonitor starts watching cli's connection and its watches' progress
+// until stop.
+func startMonitor(cli *clientv3.Client, endpoints []string, log *slog.Logger) *monitor {
 	ctx, cancel := context.WithCancel(context.Background())
 	m := &monitor{
-		cli: cli, endpoints: strings.Join(endpoints, ","),
+		cli: cli, endpoints: strings.Join(endpoints, ","), endpointList: endpoints, log: log,
 		cancel: cancel, done: make(chan struct{}),
-		state: connectivity.Idle, subs: map[*subscriber]struct{}{},
+		state: connectivity.Idle, subs: map[*subscriber]struct{}{}, avoided: map[uint64]context.CancelFunc{},
 	}
+	var wg sync.WaitGroup
+	wg.Add(2)
 	go func() {
-		defer close(m.done)
+		defer wg.Done()
 		m.run(ctx)
+	}()
+	go func() {
+		defer wg.Done()
+		m.watchProgress(ctx)
+	}()
+	go func() {
+		wg.Wait()
+		m.avoidMu.Lock()
+		for _, cancel := range m.avoided {
+			cancel()
+		}
+		m.avoidMu.Unlock()
+		close(m.done)
 	}()
 	return m
 }
@@ -69,7 +119,8 @@ func (m *monitor) stop() {
 // subscribe registers a watch of prefix that publishes to pub, and tells
 // pub the connection's state as last seen.
 func (m *monitor) subscribe(prefix string, pub source.Publisher) *subscriber {
-	sub := &subscriber{prefix: prefix, pub: pub, probes: make(chan *etcdserverpb.ResponseHeader, 1)}
+	sub := &subscriber{prefix: prefix, pub: pub, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
+	sub.heardAt.Store(time.Now().UnixNano())
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.subs[sub] = struct{}{}

@@ -1,0 +1,195 @@
+package etcdtest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// Binary returns the etcd server binary that multi-member tests run as
+// separate processes: $KVMOUNT_ETCD, else the build scripts/etcd-server.sh
+// caches for the etcd version in go.mod. When there is none the test is
+// skipped — or fails when CI=true, where a missing server must never pass
+// unnoticed.
+func Binary(tb testing.TB) string {
+	tb.Helper()
+	if bin := os.Getenv("KVMOUNT_ETCD"); bin != "" {
+		return bin
+	}
+	// The version in go.mod, as scripts/etcd-server.sh names its cache.
+	out, err := exec.Command("go", "list", "-m", "-f", "{{.Version}}", "go.etcd.io/etcd/server/v3").Output()
+	if err != nil {
+		tb.Fatalf("go list -m go.etcd.io/etcd/server/v3: %v", err)
+	}
+	version := strings.TrimSpace(string(out))
+	cache := os.Getenv("XDG_CACHE_HOME")
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache")
+	}
+	bin := filepath.Join(cache, "kvmount", "etcd-"+version, "etcd")
+	if _, err := os.Stat(bin); err == nil {
+		return bin
+	}
+	if os.Getenv("CI") == "true" {
+		tb.Fatal("no etcd server binary: run scripts/etcd-server.sh (make test does) or set KVMOUNT_ETCD")
+	}
+	tb.Skip("no etcd server binary: run scripts/etcd-server.sh or set KVMOUNT_ETCD")
+	return ""
+}
+
+// Member is one member of a Cluster: an etcd process of its own.
+type Member struct {
+	Name      string
+	ClientURL string
+	cmd       *exec.Cmd
+}
+
+// Pid returns the member's process ID.
+func (m *Member) Pid() int { return m.cmd.Process.Pid }
+
+// Freeze stops the member's process (SIGSTOP): it keeps its connections
+// open and answers nothing, as a hung member does.
+func (m *Member) Freeze(tb testing.TB) {
+	tb.Helper()
+	if err := m.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// Thaw lets a frozen member go on (SIGCONT).
+func (m *Member) Thaw(tb testing.TB) {
+	tb.Helper()
+	if err := m.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// Cluster is an etcd cluster of separate processes on loopback ports.
+type Cluster struct {
+	Members []*Member
+}
+
+// Endpoints returns every member's client URL.
+func (c *Cluster) Endpoints() []string {
+	var eps []string
+	for _, m := range c.Members {
+		eps = append(eps, m.ClientURL)
+	}
+	return eps
+}
+
+// Client returns a client of the members given (all when none), closed when
+// the test ends.
+func (c *Cluster) Client(tb testing.TB, members ...*Member) *clientv3.Client {
+	tb.Helper()
+	if len(members) == 0 {
+		members = c.Members
+	}
+	var eps []string
+	for _, m := range members {
+		eps = append(eps, m.ClientURL)
+	}
+	cli, err := clientv3.New(clientv3.Config{Endpoints: eps, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// ByID returns the member whose ID is id, asked of the cluster through cli.
+func (c *Cluster) ByID(tb testing.TB, cli *clientv3.Client, id uint64) *Member {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), Timeout)
+	defer cancel()
+	resp, err := cli.MemberList(ctx)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, mem := range resp.Members {
+		if mem.ID != id {
+			continue
+		}
+		for _, m := range c.Members {
+			if m.Name == mem.Name {
+				return m
+			}
+		}
+	}
+	tb.Fatalf("no member with ID %x", id)
+	return nil
+}
+
+// StartCluster starts an n-member cluster of etcd processes (Binary) with
+// their data in temporary directories, on loopback ports, and waits until
+// it has a leader; every member is killed when the test ends.
+func StartCluster(tb testing.TB, n int) *Cluster {
+	tb.Helper()
+	bin := Binary(tb)
+	base := tb.TempDir()
+	type ports struct{ client, peer string }
+	ps := make([]ports, n)
+	for i := range ps {
+		ps[i] = ports{freeAddr(tb), freeAddr(tb)}
+	}
+	var initial []string
+	for i, p := range ps {
+		initial = append(initial, fmt.Sprintf("m%d=http://%s", i, p.peer))
+	}
+	c := &Cluster{}
+	for i, p := range ps {
+		name := fmt.Sprintf("m%d", i)
+		cmd := exec.Command(bin,
+			"--name", name, "--data-dir", filepath.Join(base, name),
+			"--listen-client-urls", "http://"+p.client, "--advertise-client-urls", "http://"+p.client,
+			"--listen-peer-urls", "http://"+p.peer, "--initial-advertise-peer-urls", "http://"+p.peer,
+			"--initial-cluster", strings.Join(initial, ","), "--initial-cluster-state", "new",
+			"--initial-cluster-token", filepath.Base(base), "--log-level", "error")
+		if err := cmd.Start(); err != nil {
+			tb.Fatal(err)
+		}
+		m := &Member{Name: name, ClientURL: "http://" + p.client, cmd: cmd}
+		c.Members = append(c.Members, m)
+		tb.Cleanup(func() {
+			_ = cmd.Process.Signal(syscall.SIGCONT)
+			_ = cmd.Process.Kill()
+			_ = cmd.Wait()
+		})
+	}
+	cli := c.Client(tb)
+	deadline := time.Now().Add(Timeout)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := cli.Put(ctx, "/etcdtest/ready", "1")
+		cancel()
+		if err == nil {
+			return c
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("the %d-member cluster never took a write: %v", n, err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// freeAddr returns a loopback address no one listens on now.
+func freeAddr(tb testing.TB) string {
+	tb.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}

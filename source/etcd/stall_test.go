@@ -1,0 +1,111 @@
+package etcd
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/sourcetest"
+)
+
+// watchMember returns the ID of the member that answered src's watch of
+// prefix last.
+func watchMember(src *Source, prefix string) uint64 {
+	src.mu.Lock()
+	m := src.monitor
+	src.mu.Unlock()
+	if m == nil {
+		return 0
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for sub := range m.subs {
+		if sub.prefix == prefix {
+			return sub.member.Load()
+		}
+	}
+	return 0
+}
+
+// TestFrozenMemberIsNoticed freezes (SIGSTOP) the member of a real
+// 3-member cluster that serves the watch, while the two others take a write
+// every 50 ms: within 5 s the prefix is reported stale (the review saw
+// nothing reported for the whole 10–30 s freeze), the watch resumes on
+// another member, and the writes reach the snapshots while the member is
+// still frozen; it is reported current again.
+func TestFrozenMemberIsNoticed(t *testing.T) {
+	cl := etcdtest.StartCluster(t, 3)
+	src, err := New("main", &Config{Endpoints: cl.Endpoints(), DialTimeout: 2 * time.Second, ChangeDetection: Watch}, sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	rec := sourcetest.Follow(t, src, "/app/")
+	cli := cl.Client(t)
+	etcdtest.Put(t, cli, "/app/a", "0")
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+	var id uint64
+	for deadline := time.Now().Add(sourcetest.Timeout); id == 0; time.Sleep(10 * time.Millisecond) {
+		if id = watchMember(src, "/app/"); id == 0 && time.Now().After(deadline) {
+			t.Fatal("the watch never heard from a member")
+		}
+	}
+	serving := cl.ByID(t, cli, id)
+	var others []*etcdtest.Member
+	for _, m := range cl.Members {
+		if m != serving {
+			others = append(others, m)
+		}
+	}
+	writer := cl.Client(t, others...)
+	serving.Freeze(t)
+	t.Cleanup(func() { serving.Thaw(t) })
+	frozen := time.Now()
+	var last atomic.Int64
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := int64(1); ; i++ {
+			select {
+			case <-stop:
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+			if _, err := writer.Put(ctx, "/app/a", strconv.FormatInt(i, 10)); err == nil {
+				last.Store(i)
+			}
+			cancel()
+		}
+	}()
+	defer func() { close(stop); <-done }()
+
+	rec.WaitFor(t, "reported stale", sourcetest.Failing)
+	noticed := time.Since(frozen)
+	t.Logf("the frozen member was noticed %v after the freeze", noticed.Round(10*time.Millisecond))
+	if noticed > 5*time.Second {
+		t.Errorf("the stall was noticed after %v; want within 5 s", noticed)
+	}
+	// The watch resumes elsewhere while the member is still frozen.
+	for deadline := time.Now().Add(sourcetest.Timeout); ; time.Sleep(20 * time.Millisecond) {
+		snaps, err := rec.State()
+		if n := last.Load(); n > 20 && err == nil && len(snaps) > 0 {
+			if v, _ := strconv.ParseInt(string(snaps[len(snaps)-1].Entries["a"]), 10, 64); v >= 20 {
+				t.Logf("resumed on another member %v after the freeze, at a=%d (%d writes so far)", time.Since(frozen).Round(10*time.Millisecond), v, n)
+				break
+			}
+		}
+		if time.Now().After(deadline) {
+			snaps, err := rec.State()
+			t.Fatalf("the watch never resumed: last snapshot %v, status %v, %d writes", fmt.Sprint(sourcetest.Last(snaps).Entries), err, last.Load())
+		}
+	}
+	if watchMember(src, "/app/") == id {
+		t.Error("the watch still names the frozen member")
+	}
+}
