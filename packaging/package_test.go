@@ -91,14 +91,16 @@ func TestPackageContents(t *testing.T) {
 	requireTools(t, map[string]string{"dpkg-deb": "dpkg", "rpm": "rpm"})
 	pkgs := buildPackages(t)
 	wantFiles := map[string]string{ // path → mode as ls shows it
-		"./usr/bin/kvmount":                             "-rwxr-xr-x",
-		"./usr/lib/systemd/system/kvmount.service":      "-rw-r--r--",
-		"./etc/kvmount/kvmount.toml":                    "-rw-r-----",
-		"./usr/share/man/man8/kvmount.8.gz":             "-rw-r--r--",
-		"./usr/share/doc/kvmount/copyright":             "-rw-r--r--",
-		"./usr/share/doc/kvmount/notify-reload.conf":    "-rw-r--r--",
-		"./usr/share/doc/kvmount/examples/etcd.toml":    "-rw-r--r--",
-		"./usr/share/doc/kvmount/examples/service.toml": "-rw-r--r--",
+		"./usr/bin/kvmount":                                      "-rwxr-xr-x",
+		"./usr/lib/systemd/system/kvmount.service":               "-rw-r--r--",
+		"./etc/kvmount/kvmount.toml":                             "-rw-r-----",
+		"./usr/share/man/man8/kvmount.8.gz":                      "-rw-r--r--",
+		"./usr/share/doc/kvmount/copyright":                      "-rw-r--r--",
+		"./usr/share/kvmount/prometheus/kvmount-alerts.yml":      "-rw-r--r--",
+		"./usr/share/kvmount/prometheus/kvmount-alerts.test.yml": "-rw-r--r--",
+		"./usr/share/doc/kvmount/notify-reload.conf":             "-rw-r--r--",
+		"./usr/share/doc/kvmount/examples/etcd.toml":             "-rw-r--r--",
+		"./usr/share/doc/kvmount/examples/service.toml":          "-rw-r--r--",
 	}
 	for _, arch := range []string{"amd64", "arm64"} {
 		deb := pkgs["deb/"+arch]
@@ -125,6 +127,10 @@ func TestPackageContents(t *testing.T) {
 		// The binary is built for the package's machine.
 		extract := t.TempDir()
 		run(t, "dpkg-deb", "-x", deb, extract)
+		// Debian's machine-readable copyright file names the license.
+		if copyright, _ := os.ReadFile(filepath.Join(extract, "usr/share/doc/kvmount/copyright")); !strings.Contains(string(copyright), "\nLicense: Apache-2.0\n") {
+			t.Errorf("%s: the copyright file does not name Apache-2.0:\n%s", filepath.Base(deb), copyright)
+		}
 		f, err := elf.Open(filepath.Join(extract, "usr/bin/kvmount"))
 		if err != nil {
 			t.Fatal(err)
@@ -156,6 +162,9 @@ func TestPackageContents(t *testing.T) {
 		}
 		if flags := run(t, "rpm", "-qp", "--qf", "[%{FILEFLAGS:fflags} %{FILENAMES}\n]", rpm); !strings.Contains(flags, "cn /etc/kvmount/kvmount.toml") {
 			t.Errorf("%s: the configuration is not config(noreplace):\n%s", filepath.Base(rpm), flags)
+		}
+		if license := run(t, "rpm", "-qp", "--qf", "%{LICENSE}", rpm); license != "Apache-2.0" {
+			t.Errorf("%s: License %q; want Apache-2.0", filepath.Base(rpm), license)
 		}
 		scripts := run(t, "rpm", "-qp", "--scripts", rpm)
 		for _, want := range []string{"postinstall scriptlet", "systemctl preset kvmount.service", "preuninstall scriptlet", "disable --now kvmount.service", "postuninstall scriptlet", "try-restart kvmount.service"} {
