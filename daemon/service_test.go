@@ -241,3 +241,40 @@ func TestFailingNotificationIsReported(t *testing.T) {
 	state(admin.StateCurrent)
 	h.waitMetric(socket, `kvmount_mount_notify_failing{mount="nf"} 0`)
 }
+
+// TestAdminAddressOnReload: a reload that changes [admin] address and
+// socket moves the endpoints (the review saw systemctl reload return 0 and
+// kvmount status then miss the daemon, which kept the old address).
+func TestAdminAddressOnReload(t *testing.T) {
+	h := newHarness(t)
+	first, second := h.path("first.sock"), h.path("second.sock")
+	h.admin = "unix:" + first
+	h.put("/ar/a", "1")
+	h.writeConfig(h.mount("ar", "/ar/"))
+	h.start()
+	h.waitContent(h.path("mnt", "ar"), map[string]string{"a": "1"})
+	if code, _ := unixGet(t, first, "/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz on %s = %d", first, code)
+	}
+	data, err := os.ReadFile(h.config)
+	if err != nil {
+		t.Fatal(err)
+	}
+	moved := strings.Replace(string(data), first, second, 1)
+	moved = strings.Replace(moved, h.statusSocket(), h.path("run2", "kvmount.sock"), 1)
+	if err := os.WriteFile(h.config, []byte(moved), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.sighup()
+	h.waitNotified("reloading")
+	h.waitNotified("ready")
+	if code, _ := unixGet(t, second, "/healthz"); code != http.StatusOK {
+		t.Errorf("/healthz on the new address = %d", code)
+	}
+	if code, _ := unixGet(t, h.path("run2", "kvmount.sock"), "/status"); code != http.StatusOK {
+		t.Errorf("/status on the new socket = %d", code)
+	}
+	for _, old := range []string{first, h.statusSocket()} {
+		h.waitGone(old)
+	}
+}

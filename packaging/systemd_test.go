@@ -3,6 +3,9 @@ package packaging
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,10 +22,12 @@ import (
 const waitTimeout = 60 * time.Second
 
 // rootfs returns a minimal Debian 12 root file system with systemd and
-// D-Bus, procps (which the .deb depends on) and rpm (to install the .rpm:
-// no Red Hat system's packages are reachable here), made once with
-// debootstrap (from Debian's packages) and cached outside the repository
-// under ~/.cache/kvmount/.
+// D-Bus, procps (which the .deb depends on), rpm (to install the .rpm: no
+// Red Hat system's packages are reachable here) and nginx-light (the
+// service of the nginx recipe), made once with debootstrap (from Debian's
+// packages) and cached outside the repository under ~/.cache/kvmount/.
+// nginx's default site is removed: the container shares the host's
+// network, and nothing may listen on its port 80.
 func rootfs(t *testing.T) string {
 	t.Helper()
 	cache := os.Getenv("XDG_CACHE_HOME")
@@ -30,7 +35,7 @@ func rootfs(t *testing.T) string {
 		home, _ := os.UserHomeDir()
 		cache = filepath.Join(home, ".cache")
 	}
-	dir := filepath.Join(cache, "kvmount", "rootfs-bookworm-v3")
+	dir := filepath.Join(cache, "kvmount", "rootfs-bookworm-v4")
 	if _, err := os.Stat(filepath.Join(dir, "usr/lib/systemd/systemd")); err == nil {
 		return dir
 	}
@@ -40,9 +45,12 @@ func rootfs(t *testing.T) string {
 		t.Fatal(err)
 	}
 	t.Logf("building %s with debootstrap (once; about a minute or two)", dir)
-	out, err := exec.Command("debootstrap", "--variant=minbase", "--include=systemd,systemd-sysv,dbus,procps,rpm", "bookworm", tmp, "http://deb.debian.org/debian").CombinedOutput()
+	out, err := exec.Command("debootstrap", "--variant=minbase", "--include=systemd,systemd-sysv,dbus,procps,rpm,nginx-light", "bookworm", tmp, "http://deb.debian.org/debian").CombinedOutput()
 	if err != nil {
 		t.Fatalf("debootstrap: %v\n%s", err, lastLines(string(out), 20))
+	}
+	if err := os.Remove(filepath.Join(tmp, "etc/nginx/sites-enabled/default")); err != nil {
+		t.Fatal(err)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
 		t.Fatal(err)
@@ -187,6 +195,13 @@ func TestOnBootedSystemd(t *testing.T) {
 	}
 	security := c.sh("systemd-analyze security kvmount --no-pager | tail -1")
 	t.Logf("systemd-analyze security: %s", security)
+	t.Logf("what still counts against it:\n%s", c.sh("systemd-analyze security kvmount --no-pager | grep '✗' | head -40"))
+	// Exactly the capabilities the unit names: CAP_CHOWN (0),
+	// CAP_DAC_OVERRIDE (1), CAP_FOWNER (3), CAP_KILL (5), CAP_SETGID (6),
+	// CAP_SETUID (7), CAP_SYS_ADMIN (21).
+	if got := c.sh("grep CapBnd /proc/$(systemctl show -p MainPID --value kvmount)/status"); !strings.HasSuffix(got, "00000000002000eb") {
+		t.Errorf("kvmount's bounding set: %s; want 00000000002000eb", got)
+	}
 
 	// A unit that counts its reloads, for the systemd_unit notifier.
 	c.sh("cat > /etc/systemd/system/counter.service <<'UNIT_END'\n[Service]\nExecStart=/bin/sleep infinity\nExecReload=/bin/sh -c 'echo reload >> /var/tmp/reloads'\nUNIT_END\nsystemctl daemon-reload && systemctl start counter")
@@ -364,4 +379,132 @@ func runtimeArch() string {
 		return "amd64"
 	}
 	return strings.TrimSpace(string(out))
+}
+
+// TestNginxRecipeOnBootedSystemd runs README's nginx recipe
+// (examples/nginx.toml) on a booted Debian 12 with Debian's nginx, as an
+// operator would: the keys reach nginx; a broken configuration is vetoed
+// by the plain nginx -t with Debian's stock nginx.conf including the mount
+// — nginx keeps serving, and kvmount status shows nginx's reason at the
+// default log level; a fix goes through with one reload; nginx stopped by
+// hand makes the reload notification fail, kvmount status exits 1 naming
+// it, and once nginx runs again the retry succeeds and status is 0 again.
+func TestNginxRecipeOnBootedSystemd(t *testing.T) {
+	roottest.Require(t)
+	requireTools(t, map[string]string{"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"})
+	pkgs := buildPackages(t)
+	srv, cli := etcdtest.Start(t)
+	port := freePort(t)
+	site := func(header string) string {
+		return fmt.Sprintf("server {\n    listen 127.0.0.1:%s;\n    root /srv/www;\n    add_header X-Version %s;\n}\n", port, header)
+	}
+	etcdtest.Put(t, cli, "/apps/nginx/site.conf", site("1"), "/apps/www/index.html", "hello from etcd")
+	c := boot(t, filepath.Join(repo, "dist"))
+	c.sh("dpkg -i /dist/" + filepath.Base(pkgs["deb/"+runtimeArch()]))
+	c.waitFor("systemctl is-active kvmount", "active")
+	c.waitFor("systemctl is-active nginx", "active")
+
+	// The recipe, as README and examples/nginx.toml give it.
+	recipe, err := os.ReadFile(filepath.Join(repo, "examples", "nginx.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := strings.Replace(string(recipe), `endpoints = ["http://127.0.0.1:2379"]`, fmt.Sprintf("endpoints = [%q]", srv.Endpoint()), 1)
+	c.sh("echo 'include /etc/nginx/conf.d/kvmount/*.conf;' > /etc/nginx/conf.d/kvmount.conf")
+	c.sh("cat > /etc/kvmount/kvmount.toml <<'KVMOUNT_END'\n" + config + "KVMOUNT_END")
+	if out := c.sh("kvmount check -config /etc/kvmount/kvmount.toml"); !strings.Contains(out, "private mount namespace") {
+		t.Errorf("kvmount check does not say the check sees the new version at the mount's path:\n%s", out)
+	}
+	c.sh("systemctl reload kvmount")
+	get := func() (string, string) {
+		resp, err := http.Get("http://127.0.0.1:" + port + "/index.html")
+		if err != nil {
+			return "", err.Error()
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		return resp.Header.Get("X-Version"), string(body)
+	}
+	waitServed := func(version string) {
+		t.Helper()
+		for deadline := time.Now().Add(waitTimeout); ; time.Sleep(50 * time.Millisecond) {
+			v, body := get()
+			if v == version && body == "hello from etcd" {
+				return
+			}
+			if time.Now().After(deadline) {
+				logs, _ := c.try("sh", "-c", "journalctl -u kvmount -u nginx --no-pager | tail -n 30")
+				t.Fatalf("nginx serves version %q, %q; want %q\n%s", v, body, version, logs)
+			}
+		}
+	}
+	reloads := func() string { return c.sh("journalctl -u nginx -o cat --no-pager | grep -c '^Reloaded' || true") }
+	waitServed("1")
+	c.waitFor("kvmount status >/dev/null; echo $?", "0")
+	before := reloads()
+
+	// A broken configuration: nginx -t refuses it, nginx keeps serving.
+	etcdtest.Put(t, cli, "/apps/nginx/site.conf", strings.Replace(site("2"), ":"+port+";", ":99999;", 1))
+	// Pending during the quiescence window (wait.min), then failed.
+	c.waitFor("kvmount status | grep -c ' failed '; true", "1")
+	if code := c.sh("kvmount status >/dev/null; echo $?"); code != "1" {
+		t.Errorf("kvmount status exits %s while nginx refuses the version; want 1", code)
+	}
+	status := c.sh("kvmount status || true")
+	for _, want := range []string{"nginx", "failed", `invalid port in "127.0.0.1:99999"`, "/etc/nginx/conf.d/kvmount/site.conf:2"} {
+		if !strings.Contains(status, want) {
+			t.Errorf("kvmount status lacks %q:\n%s", want, status)
+		}
+	}
+	if got := c.sh("systemctl show -p StatusText --value kvmount"); !strings.Contains(got, `invalid port in "127.0.0.1:99999"`) {
+		t.Errorf("systemd's status line lacks nginx's reason: %s", got)
+	}
+	if got := c.sh("grep -c 99999 /etc/nginx/conf.d/kvmount/site.conf || true"); got != "0" {
+		t.Error("the refused version reached the mount")
+	}
+	waitServed("1")
+
+	// The fix goes through, with one reload.
+	etcdtest.Put(t, cli, "/apps/nginx/site.conf", site("3"))
+	waitServed("3")
+	c.waitFor("kvmount status >/dev/null; echo $?", "0")
+	if after := reloads(); after != fmt.Sprint(atoi(t, before)+1) {
+		t.Errorf("nginx reloaded %s times for the fix; want once (%s before)", after, before)
+	}
+
+	// nginx stopped by hand: the reload fails, status says so until it runs.
+	c.sh("systemctl stop nginx")
+	etcdtest.Put(t, cli, "/apps/nginx/site.conf", site("4"))
+	c.waitFor("kvmount status | grep -c notify_failed; true", "1")
+	if code := c.sh("kvmount status >/dev/null; echo $?"); code != "1" {
+		t.Errorf("kvmount status exits %s while the reload fails; want 1", code)
+	}
+	if status := c.sh("kvmount status || true"); !strings.Contains(status, "nginx.service") {
+		t.Errorf("kvmount status while nginx is stopped does not name it:\n%s", status)
+	}
+	c.sh("systemctl start nginx")
+	waitServed("4")
+	c.waitFor("kvmount status >/dev/null; echo $?", "0")
+}
+
+// freePort returns a loopback port no one listens on now; the container
+// shares the host's network.
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	_, port, _ := net.SplitHostPort(l.Addr().String())
+	return port
+}
+
+func atoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }
