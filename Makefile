@@ -21,10 +21,11 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent and an etcd server once)
+test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent, an etcd server and consul-template once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
 		etcd=$$(scripts/etcd-server.sh) && echo "etcd server: $$etcd" && \
-		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd $(GO) test -race -count=1 -timeout 30m ./...
+		ct=$$(scripts/consul-template.sh) && echo "consul-template: $$ct" && \
+		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_CONSUL_TEMPLATE=$$ct $(GO) test -race -count=1 -timeout 30m ./...
 
 consul-agent: ## build (once) and print the Consul agent the tests run, cached outside the repository
 	@scripts/consul-agent.sh

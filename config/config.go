@@ -377,7 +377,7 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	}
 	m.Templates = decodeTemplates(sec, paths)
 	m.KeysAsFiles = sec.Bool("keys_as_files", true)
-	if !m.KeysAsFiles && len(m.Templates) == 0 {
+	if !m.KeysAsFiles && len(m.Templates) == 0 && !sec.Has("templates") {
 		sec.Errorf("keys_as_files", "false makes the keys feed templates only, and the mount has no [[mount.templates]]")
 	}
 	return m

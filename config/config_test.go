@@ -552,13 +552,19 @@ ok
 	_, err = Parse("k.toml", []byte(invalid), testKinds)
 	for _, w := range []string{
 		`k.toml:12: mount[0].templates[0].path: "same" is also the path of an item`,
-		`k.toml:16: mount[0].templates[1].file: template: ` + bad + `:2: function "env" not defined`,
+		`k.toml:16: mount[0].templates[1].file: template: ` + bad + `:2:10: function "env" is refused: it reads the environment`,
 		`k.toml:21: mount[0].templates[2].text: template: missing value for if`,
 		`k.toml:26: mount[0].templates[4].path: "two" is also the path of templates[3]`,
 	} {
 		if err == nil || !strings.Contains(err.Error(), w) {
 			t.Errorf("errors:\n%v\nwant %q", err, w)
 		}
+	}
+	// A template with an error: only that error, not that the mount has
+	// no templates (it has, one that does not parse).
+	_, err = Parse("k.toml", []byte(head+"keys_as_files = false\n  [[mount.templates]]\n  path = \"x\"\n  text = '{{ nosuch }}'\n"), testKinds)
+	if err == nil || !strings.Contains(err.Error(), `function "nosuch" not defined`) || strings.Contains(err.Error(), "has no [[mount.templates]]") {
+		t.Errorf("keys_as_files with a broken template: %v; want only the template's error", err)
 	}
 	_, err = Parse("k.toml", []byte(head+"keys_as_files = false\n"), testKinds)
 	if err == nil || !strings.Contains(err.Error(), "k.toml:8: mount[0].keys_as_files: false makes the keys feed templates only") {

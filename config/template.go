@@ -2,7 +2,6 @@ package config
 
 import (
 	"fmt"
-	"os"
 	"regexp"
 	"strconv"
 	"strings"
@@ -55,6 +54,9 @@ func textStart(sec *Section) int {
 	return line
 }
 
+// templateFileLimit is the largest template file read, in bytes.
+const templateFileLimit = 1 << 20
+
 // decodeTemplate decodes and parses one entry; nil when it has a problem
 // (recorded at its line).
 func decodeTemplate(sec *Section) *projector.Template {
@@ -72,7 +74,7 @@ func decodeTemplate(sec *Section) *projector.Template {
 	}
 	origin := file
 	if file != "" {
-		data, err := os.ReadFile(file)
+		data, _, err := readBounded(file, templateFileLimit)
 		if err != nil {
 			sec.Errorf("file", "%v", err)
 			return nil

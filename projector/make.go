@@ -7,6 +7,8 @@ import (
 	"path"
 	"slices"
 	"strings"
+
+	"github.com/kvmount/kvmount/render"
 )
 
 // Projection is one source and prefix contributing keys to a mount, together
@@ -122,6 +124,12 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	owner := map[string]origin{} // path → the projection and key that produced it
 	dirs := map[string]bool{}    // directories that payload's paths need
 	var rejected []*KeyError
+	// What templates read: every key placed, by path, with its full key;
+	// the folder markers; and the keys rejected, with why.
+	var view *render.Keys
+	if len(opts.Templates) > 0 {
+		view = render.NewKeys()
+	}
 	for i, pr := range projections {
 		if pr.Missing {
 			if pr.Optional {
@@ -136,12 +144,15 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			}
 			if err != nil {
 				rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount, Err: err})
+				if view != nil {
+					view.Reject(cleanOrRaw(p), err.Error())
+				}
 				return nil
 			}
 			if by, dup := owner[clean]; dup {
 				if by.projection == i && pr.Items == nil {
-					rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount,
-						Err: fmt.Errorf("%w: path %q is also the path of key %q, which comes first in byte order", ErrPathTaken, clean, by.key)})
+					err := fmt.Errorf("%w: path %q is also the path of key %q, which comes first in byte order", ErrPathTaken, clean, by.key)
+					rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount, Err: err})
 					return nil
 				}
 				return fmt.Errorf("mount %q: path %q comes from both source %q key %q and source %q key %q", mount, clean, projections[by.projection].Source, by.key, pr.Source, pr.Prefix+key)
@@ -160,13 +171,22 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			for dir := path.Dir(clean); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
 				dirs[dir] = true
 			}
+			if view != nil {
+				view.Add(clean, pr.Prefix+key, value)
+			}
 			return nil
 		}
 		if pr.Items == nil {
 			keys := make([]string, 0, len(pr.Entries))
 			for key := range pr.Entries {
-				if key != "" && !strings.HasSuffix(key, "/") {
+				switch {
+				case key != "" && !strings.HasSuffix(key, "/"):
 					keys = append(keys, key)
+				case key != "" && view != nil:
+					// A folder marker: no file, but keyExists "dir/".
+					if clean, err := CleanPath(key); err == nil {
+						view.AddFolder(clean+"/", pr.Prefix+key, pr.Entries[key])
+					}
 				}
 			}
 			// Sorted, so that of "a" and "a/b" the same one always wins.
@@ -193,7 +213,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	}
 	if len(opts.Templates) > 0 {
 		var err error
-		if payload, err = renderTemplates(mount, payload, owner, opts); err != nil {
+		if payload, err = renderTemplates(mount, payload, owner, view, opts); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -208,16 +228,13 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	return payload, rejected, nil
 }
 
-// renderTemplates renders opts.Templates over the keys of payload (whose
-// origins owner names) and returns the payload with the rendered files —
+// renderTemplates renders opts.Templates over the keys of view (the
+// payload's, whose origins owner names) and returns the payload with the
+// rendered files —
 // and without the keys when they feed the templates only. A rendered path
 // that is also a key's path, or that is a file and a directory at once,
 // fails the mount with an error naming both.
-func renderTemplates(mount string, payload Payload, owner map[string]origin, opts Options) (Payload, error) {
-	keys := make(map[string][]byte, len(payload))
-	for p, f := range payload {
-		keys[p] = f.Data
-	}
+func renderTemplates(mount string, payload Payload, owner map[string]origin, view *render.Keys, opts Options) (Payload, error) {
 	out := payload
 	if opts.KeysOnlyForTemplates {
 		out = Payload{}
@@ -230,7 +247,7 @@ func renderTemplates(mount string, payload Payload, owner map[string]origin, opt
 		if err := placeable(out, dirs, t.Path); err != nil {
 			return nil, fmt.Errorf("mount %q: template %s: %w", mount, t.Origin, err)
 		}
-		data, err := opts.Renders.render(t, keys, opts.MaxValueSize)
+		data, err := t.render(opts.Renders, view, opts.MaxValueSize)
 		if err != nil {
 			return nil, fmt.Errorf("mount %q: %w", mount, err)
 		}
@@ -255,6 +272,15 @@ func directoryMap(payload Payload) map[string]bool {
 		}
 	}
 	return dirs
+}
+
+// cleanOrRaw returns p cleaned when it can be, else as it is: how a
+// template would name a rejected key.
+func cleanOrRaw(p string) string {
+	if c := path.Clean(p); c != "." {
+		return c
+	}
+	return p
 }
 
 // largest returns the path of payload's largest file.

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvmount/kvmount/render"
 )
 
 var update = flag.Bool("update", false, "rewrite the golden files in testdata/")
@@ -32,7 +34,7 @@ func TestTemplateFunctions(t *testing.T) {
 		{`{{ range tree "dir" }}{{ .Key }}={{ .Value }} {{ end }}`, "b=2 c=3 sub/d=4 "},
 		{`{{ range ls "" }}{{ .Key }} {{ end }}`, "a other "},
 		{`{{ len (tree "") }}`, "5"},
-		{`{{ key "a" | upper }}{{ "x" | repeat 3 }}{{ list 1 2 | join "," }}`, "1xxx1,2"},
+		{`{{ key "a" | toUpper }}{{ "x,y" | split "," | join "+" }}{{ sprig_repeat 3 "z" }}`, "1x+yzzz"},
 		{`{{ range ls "nothing" }}x{{ end }}none`, "none"},
 	}
 	for _, tt := range tests {
@@ -48,13 +50,18 @@ func TestTemplateFunctions(t *testing.T) {
 }
 
 // TestTemplateIsHermetic: nothing reads the environment, the clock,
-// randomness or files: such functions do not exist, so the template does
-// not parse (kvmount check reports it).
+// randomness, files or the network: such functions are refused when the
+// template is parsed (kvmount check reports it at its line); sprig's bare
+// names are not defined, with a hint.
 func TestTemplateIsHermetic(t *testing.T) {
-	for _, text := range []string{`{{ env "HOME" }}`, `{{ expandenv "$HOME" }}`, `{{ now }}`, `{{ randAlpha 5 }}`, `{{ uuidv4 }}`, `{{ getHostByName "x" }}`} {
-		if _, err := ParseTemplate("t", "out", text, 0); err == nil || !strings.Contains(err.Error(), "not defined") {
-			t.Errorf("%s parsed: %v; want the function not defined", text, err)
+	for _, text := range []string{`{{ env "HOME" }}`, `{{ sprig_expandenv "$HOME" }}`, `{{ timestamp }}`, `{{ sprig_now }}`, `{{ sprig_randInt 0 9 }}`,
+		`{{ sprig_uuidv4 }}`, `{{ sprig_getHostByName "x" }}`, `{{ file "/etc/passwd" }}`, `{{ sprig_htpasswd "u" "p" }}`} {
+		if _, err := ParseTemplate("t", "out", text, 0); !errors.Is(err, render.ErrRefused) {
+			t.Errorf("%s parsed: %v; want it refused", text, err)
 		}
+	}
+	if _, err := ParseTemplate("t", "out", `{{ upper "x" }}`, 0); err == nil || !strings.Contains(err.Error(), "did you mean toUpper, or sprig_upper?") {
+		t.Errorf("a bare sprig name: %v; want a hint", err)
 	}
 }
 
@@ -66,7 +73,7 @@ func TestTemplateErrors(t *testing.T) {
 	if !errors.Is(err, ErrTemplate) || !strings.Contains(err.Error(), "/etc/kvmount/app.tmpl") || !strings.Contains(err.Error(), `key "port" does not exist`) {
 		t.Errorf("missing key: %v", err)
 	}
-	big, _ := ParseTemplate("big", "big.conf", `{{ range until 100000 }}xxxxxxxxxx{{ end }}`, 0)
+	big, _ := ParseTemplate("big", "big.conf", `{{ range loop 100000 }}xxxxxxxxxx{{ end }}`, 0)
 	if _, _, err := big.Render(nil, 1024); err == nil || !strings.Contains(err.Error(), "exceeds max_value_size (1024 bytes)") {
 		t.Errorf("too much output: %v", err)
 	}
@@ -173,39 +180,6 @@ func FuzzTemplate(f *testing.F) {
 			}
 		}
 	})
-}
-
-// TestRenderCache: a template is rendered again only when a key it read,
-// or a listing it made, changed.
-func TestRenderCache(t *testing.T) {
-	tmpl, _ := ParseTemplate("t", "out", `{{ key "a" }}{{ range ls "d" }}{{ .Value }}{{ end }}`, 0)
-	var cache RenderCache
-	render := func(k map[string][]byte) (string, int64) {
-		t.Helper()
-		before := renders.Load()
-		out, err := cache.render(tmpl, k, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return string(out), renders.Load() - before
-	}
-	steps := []struct {
-		keys    map[string][]byte
-		want    string
-		renders int64
-	}{
-		{keys("a", "1", "d/x", "2", "z", "0"), "12", 1},
-		{keys("a", "1", "d/x", "2", "z", "changed"), "12", 0},              // a key it never read
-		{keys("a", "9", "d/x", "2", "z", "changed"), "92", 1},              // a key it read
-		{keys("a", "9", "d/x", "3", "z", "changed"), "93", 1},              // a value in its listing
-		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 1}, // a key added to its listing
-		{keys("a", "9", "d/x", "3", "d/y", "4", "z", "changed"), "934", 0},
-	}
-	for i, s := range steps {
-		if got, n := render(s.keys); got != s.want || n != s.renders {
-			t.Errorf("step %d: %q after %d renders; want %q after %d", i, got, n, s.want, s.renders)
-		}
-	}
 }
 
 // BenchmarkRender renders a template that lists every key of a mount of
