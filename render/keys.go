@@ -46,7 +46,6 @@ func (k *Keys) AddFolder(dir, full string, value []byte) {
 // is told so, not that it does not exist.
 func (k *Keys) Reject(path, why string) { k.rejected[path] = why }
 
-
 // KV is one key as ls and tree return it, as consul-template's KeyPair:
 // Key relative to the folder listed, Value its value, Path the full key in
 // the store.

@@ -92,4 +92,3 @@ func (s *Scratch) MapValues(k string) ([]any, error) {
 	}
 	return out, nil
 }
-
