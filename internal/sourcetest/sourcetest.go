@@ -30,6 +30,7 @@ type Recorder struct {
 	mu       sync.Mutex
 	snaps    []source.Snapshot
 	err      error
+	errs     []error
 	statuses int
 	changed  chan struct{}
 }
@@ -50,9 +51,19 @@ func (r *Recorder) Publish(s source.Snapshot) {
 func (r *Recorder) Status(err error) {
 	r.mu.Lock()
 	r.err = err
+	if err != nil {
+		r.errs = append(r.errs, err)
+	}
 	r.statuses++
 	r.mu.Unlock()
 	r.wake()
+}
+
+// Errors returns every error reported through Status, oldest first.
+func (r *Recorder) Errors() []error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Clone(r.errs)
 }
 
 // Statuses returns how many times Status was called: a source that polls

@@ -435,7 +435,9 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 	// would never be answered, and the stall detection (stall.go) could
 	// not tell it from a frozen member.
 	key, end := span(f.prefix)
-	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev), clientv3.WithProgressNotify())
+	// WithCreatedNotify: the member's answer to the creation tells the
+	// stall detection which member serves the watch before any event.
+	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev), clientv3.WithProgressNotify(), clientv3.WithCreatedNotify())
 	for {
 		var resp clientv3.WatchResponse
 		var ok bool
@@ -470,7 +472,7 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 		if resp.Canceled {
 			return fmt.Errorf("%w: watch cancelled by the server", errResync)
 		}
-		if resp.IsProgressNotify() {
+		if resp.Created || resp.IsProgressNotify() {
 			f.pub.Status(nil)
 			continue
 		}

@@ -40,13 +40,15 @@ type monitor struct {
 	state connectivity.State
 	subs  map[*subscriber]struct{}
 
-	// avoided are the members left out of the client's endpoints after
-	// a stall, each with the cancel of its probe (stall.go).
+	// avoided are the cancels of the probes of endpoints left out of the
+	// client's endpoints after a stall (stall.go).
 	avoidMu sync.Mutex
-	avoided map[uint64]context.CancelFunc
-	// progressRequests counts the progress requests sent, for tests and
-	// benchmarks.
+	avoided []context.CancelFunc
+	// progressRequests counts the progress requests sent, and
+	// statusProbes the rounds of status probes that an unanswered one
+	// led to, for tests and benchmarks.
 	progressRequests atomic.Int64
+	statusProbes     atomic.Int64
 }
 
 // subscriber is one watch's interest in the connection.
@@ -86,7 +88,7 @@ func startMonitor(cli *clientv3.Client, endpoints []string, log *slog.Logger) *m
 	m := &monitor{
 		cli: cli, endpoints: strings.Join(endpoints, ","), endpointList: endpoints, log: log,
 		cancel: cancel, done: make(chan struct{}),
-		state: connectivity.Idle, subs: map[*subscriber]struct{}{}, avoided: map[uint64]context.CancelFunc{},
+		state: connectivity.Idle, subs: map[*subscriber]struct{}{},
 	}
 	var wg sync.WaitGroup
 	wg.Add(2)

@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
 )
@@ -108,4 +110,46 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 	if watchMember(src, "/app/") == id {
 		t.Error("the watch still names the frozen member")
 	}
+}
+
+// TestUnansweredProgressIsNoStall keeps the member from answering progress
+// requests while it is alive and well — a watcher on the same stream that
+// starts at a revision the store has not reached, which etcd's
+// progressIfSync waits for, as it waits for watchers still catching up
+// when a thousand watches are created at a cold start — and checks that
+// the prefix is never reported stale: the status probe finds the member
+// answering. (Before the probe, a busy cold start of 1,000 prefixes
+// reported them all stalled and restarted every watch, again and again.)
+// Writes still arrive.
+func TestUnansweredProgressIsNoStall(t *testing.T) {
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/app/a", "0")
+	src, err := New("main", &Config{Endpoints: []string{srv.Endpoint()}, DialTimeout: 2 * time.Second, ChangeDetection: Watch}, sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	rec := sourcetest.Follow(t, src, "/app/")
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+	src.mu.Lock()
+	own, mon := src.client, src.monitor
+	src.mu.Unlock()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// The same context metadata as the source's watches: the same stream.
+	own.Watch(clientv3.WithRequireLeader(ctx), "/future/", clientv3.WithPrefix(), clientv3.WithRev(1<<40))
+
+	deadline := time.Now().Add(sourcetest.Timeout)
+	for mon.statusProbes.Load() < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("no status probe after %d progress requests: the progress requests were answered", mon.progressRequests.Load())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	etcdtest.Put(t, cli, "/app/a", "1")
+	rec.WaitFor(t, "a write after the probes", sourcetest.Holds(map[string]string{"a": "1"}))
+	if errs := rec.Errors(); len(errs) > 0 {
+		t.Errorf("a live member was reported: %v", errs)
+	}
+	t.Logf("%d progress requests, %d rounds of status probes, no stall reported", mon.progressRequests.Load(), mon.statusProbes.Load())
 }
