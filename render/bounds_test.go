@@ -3,6 +3,7 @@ package render
 import (
 	"errors"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -32,7 +33,9 @@ func TestRenderIsBounded(t *testing.T) {
 		{"join of references", `{{ $l := sprig_list }}{{ range loop 1000 }}{{ $l = sprig_append $l (key "seed") }}{{ end }}{{ sprig_join "," $l }}`, "render stopped"},
 		{"nested loops", `{{ range $i := loop (key "k") }}{{ range $j := loop (key "k") }}{{ end }}{{ end }}`, "time limit"},
 		{"loops over a variable", `{{ $l := loop 5000 }}{{ range $l }}{{ range $l }}{{ range $l }}{{ end }}{{ end }}{{ end }}`, "time limit"},
-		{"recursion", `{{ define "r" }}{{ template "r" . }}{{ template "r" . }}{{ end }}{{ template "r" . }}`, "depth"},
+		// text/template's depth limit, or the time limit first where the
+		// race detector and a busy machine make 100,000 calls slow.
+		{"recursion", `{{ define "r" }}{{ template "r" . }}{{ template "r" . }}{{ end }}{{ template "r" . }}`, "depth|time limit"},
 		{"scratch growth", `{{ range $i := loop 2000000 }}{{ scratch.MapSet "m" (print $i) (key "seed") }}{{ end }}`, ""},
 		{"output", `{{ range loop 100000 }}{{ key "seed" }}{{ end }}`, "output too large"},
 	} {
@@ -49,11 +52,14 @@ func TestRenderIsBounded(t *testing.T) {
 			took := time.Since(start)
 			var after runtime.MemStats
 			runtime.ReadMemStats(&after)
-			if err == nil || !errors.Is(err, ErrTemplate) || !strings.Contains(err.Error(), tc.want) {
+			if err == nil || !errors.Is(err, ErrTemplate) || !slices.ContainsFunc(strings.Split(tc.want, "|"), func(w string) bool { return strings.Contains(err.Error(), w) }) {
 				t.Errorf("%s = %v; want an error with %q", tc.text, err, tc.want)
 			}
-			if took > 3*time.Second {
-				t.Errorf("the render ran %v past its 2 s limit", took)
+			// Stopped, not finished: each of these runs for minutes, or
+			// for ever, unbounded. The slack is for the race detector on
+			// a busy machine (3.1 s seen in make test), not a speed claim.
+			if took > 7*time.Second {
+				t.Errorf("the render ran %v, past its 2 s limit", took)
 			}
 			if grew := int64(after.HeapAlloc) - int64(before.HeapAlloc); grew > MaxProduced+64<<20 {
 				t.Errorf("the heap grew by %d MiB", grew>>20)
