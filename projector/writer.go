@@ -5,7 +5,9 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"path"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -140,10 +142,106 @@ type AtomicWriter struct {
 	gid     int
 }
 
-// version is one version directory and the payload it holds.
+// version is one version directory and what it holds.
 type version struct {
-	name    string
+	name string
+	// payload is the version's content when this run wrote it, read it
+	// back or compared it with a payload; nil while it is known only
+	// from its manifest.
 	payload Payload
+	// manifest is the version's manifest when adopted from it (and
+	// payload is nil): the files by hash, until a Write learns their
+	// bytes.
+	manifest *manifest
+	// noManifest is set for a version on disk without a usable manifest
+	// (written by an older kvmount): the next Write that finds it
+	// unchanged adds one.
+	noManifest bool
+}
+
+// files returns how many files v holds.
+func (v *version) files() int {
+	if v.payload == nil && v.manifest != nil {
+		return len(v.manifest.Files)
+	}
+	return len(v.payload)
+}
+
+// paths returns v's file paths, sorted.
+func (v *version) paths() []string {
+	if v.payload == nil && v.manifest != nil {
+		return v.manifest.paths()
+	}
+	return v.payload.Paths()
+}
+
+// dirs returns the directories v's files need.
+func (v *version) dirs() map[string]bool {
+	dirs := map[string]bool{}
+	for _, name := range v.paths() {
+		for dir := path.Dir(name); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
+			dirs[dir] = true
+		}
+	}
+	return dirs
+}
+
+// has reports whether v holds the file f at path p: the same bytes, mode
+// and owner (by hash, when v is known from its manifest).
+func (v *version) has(p string, f File) bool {
+	if v.payload == nil && v.manifest != nil {
+		i, ok := v.manifest.index[p]
+		return ok && v.manifest.Files[i].sameFile(f)
+	}
+	old, ok := v.payload[p]
+	return ok && old.Equal(f)
+}
+
+// holds reports whether v holds exactly payload.
+func (v *version) holds(payload Payload) bool {
+	if v.payload == nil && v.manifest != nil {
+		return v.manifest.matchesPayload(payload)
+	}
+	return v.payload.Equal(payload)
+}
+
+// diff returns what turns v into payload.
+func (v *version) diff(payload Payload) Change {
+	var c Change
+	for name, f := range payload {
+		if !v.has(name, f) {
+			if v.contains(name) {
+				c.Changed = append(c.Changed, name)
+			} else {
+				c.Added = append(c.Added, name)
+			}
+		}
+	}
+	for _, name := range v.paths() {
+		if _, ok := payload[name]; !ok {
+			c.Removed = append(c.Removed, name)
+		}
+	}
+	kept := directories(payload)
+	for dir := range v.dirs() {
+		if !kept[dir] {
+			c.RemovedDirs = append(c.RemovedDirs, dir)
+		}
+	}
+	slices.Sort(c.Added)
+	slices.Sort(c.Changed)
+	slices.Sort(c.RemovedDirs)
+	return c
+}
+
+// contains reports whether v has a file at path p.
+func (v *version) contains(p string) bool {
+	if v.payload == nil && v.manifest != nil {
+		_, ok := v.manifest.index[p]
+		return ok
+	}
+	_, ok := v.payload[p]
+	return ok
 }
 
 // OpenAtomicWriter returns a writer for the existing directory dir. It reads
@@ -209,7 +307,7 @@ func (w *AtomicWriter) Files() int {
 	if w.current == nil {
 		return 0
 	}
-	return len(w.current.payload)
+	return w.current.files()
 }
 
 // Version returns the name of the current version directory, or "" when none
@@ -238,17 +336,23 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 			return Change{}, err
 		}
 	}
-	var old Payload
+	change := Diff(nil, payload)
 	if w.current != nil {
-		old = w.current.payload
-		if old.Equal(payload) && !w.rebuildDirs {
+		if w.current.holds(payload) && !w.rebuildDirs {
+			// Known by its bytes from here on.
+			w.current.payload, w.current.manifest = payload, nil
+			if w.current.noManifest {
+				if err := w.addManifest(); err != nil {
+					return Change{}, err
+				}
+			}
 			if err := w.addVisible(payload); err != nil {
 				return Change{}, err
 			}
 			return Change{}, w.removeStaleVisible(payload)
 		}
+		change = w.current.diff(payload)
 	}
-	change := Diff(old, payload)
 	oldDirs := dirHandles{}
 	defer oldDirs.close()
 	var name string

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"syscall"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvmount/kvmount/fsutil"
 )
 
@@ -15,51 +17,114 @@ import (
 // adopt a previous run's content, remove strays, verify against the disk,
 // tear down.
 
-// Adopt inspects the mount directory and takes over what a previous run left:
-// it refuses entries the atomic writer would not have made (ErrForeignContent),
-// removes crash leftovers (a stale ..data_tmp, version directories that ..data
-// does not point at) and reads the current version byte for byte. It returns
-// the payload on disk, or nil when the directory is empty or its version is
-// unreadable (the next Write then rewrites everything).
-func (w *AtomicWriter) Adopt() (Payload, error) {
+// Adoption tells how Adopt took over a version.
+type Adoption struct {
+	// Version is the version directory adopted, "" when there was none.
+	Version string
+	// Files is how many files it holds.
+	Files int
+	// FromManifest reports that it was adopted from its manifest (one
+	// fstat per file); otherwise every file was read. Its bytes are then
+	// compared by the next Verify.
+	FromManifest bool
+	// ManifestErr says why the manifest was not used, when a version
+	// was adopted by reading: errNoManifest (an older kvmount's
+	// version, a torn manifest), or ErrDrift when it did not match the
+	// disk.
+	ManifestErr error
+}
+
+// Adopt inspects the mount directory and takes over what a previous run
+// left: it refuses entries the atomic writer would not have made
+// (ErrForeignContent), removes crash leftovers (a stale ..data_tmp,
+// version directories that ..data does not point at) and takes the current
+// version as it is — from its manifest when that matches the disk (one
+// fstat per file, no byte read), else by reading every file. An unreadable
+// version is no error: the next Write rewrites everything.
+func (w *AtomicWriter) Adopt() (Adoption, error) {
 	entries, err := w.readDir(".")
 	if err != nil {
-		return nil, err
+		return Adoption{}, err
 	}
 	var foreign []string
+	visible := map[string]bool{}
 	for _, e := range entries {
-		if !w.isWritersEntry(e) {
-			foreign = append(foreign, e.Name())
+		name := e.Name()
+		switch {
+		case name == DataDirName || name == dataTmpName || isVersionName(name):
+			if !w.isWritersEntry(e) {
+				foreign = append(foreign, name)
+			}
+		case strings.HasPrefix(name, "..") || e.Type()&fs.ModeSymlink == 0 || !w.isVisibleLink(name):
+			foreign = append(foreign, name)
+		default:
+			visible[name] = true
 		}
 	}
 	if len(foreign) > 0 {
 		if len(foreign) > 5 {
 			foreign = append(foreign[:5], "...")
 		}
-		return nil, fmt.Errorf("atomic writer: %s: %w: %s", w.dir, ErrForeignContent, strings.Join(foreign, ", "))
+		return Adoption{}, fmt.Errorf("atomic writer: %s: %w: %s", w.dir, ErrForeignContent, strings.Join(foreign, ", "))
 	}
 	current, _ := w.root.Readlink(DataDirName)
 	if !isVersionName(current) {
 		current = ""
 	}
-	if err := w.removeLeftovers(current); err != nil {
-		return nil, err
+	if err := w.removeLeftoversOf(entries, current); err != nil {
+		return Adoption{}, err
 	}
 	w.adopted = true
 	w.current, w.retired = nil, nil
 	w.visible = nil
 	if current == "" {
-		return nil, nil
+		w.visible = visible
+		return Adoption{}, nil
+	}
+	ad := Adoption{Version: current}
+	if v, err := w.adoptManifest(current); err == nil {
+		w.current = v
+		w.visible = visible
+		ad.FromManifest, ad.Files = true, v.files()
+		return ad, nil
+	} else {
+		ad.ManifestErr = err
 	}
 	payload, err := w.readVersion(current)
 	if err != nil {
 		// An unreadable version is not an error: the next Write
 		// rewrites every file.
-		return nil, nil
+		return ad, nil
 	}
-	w.current = &version{name: current, payload: payload}
+	w.current = &version{name: current, payload: payload, noManifest: true}
 	w.rebuildDirs = !w.dirsMatch(current)
-	return payload, nil
+	w.visible = visible
+	ad.Files = len(payload)
+	return ad, nil
+}
+
+// adoptManifest adopts the version name from its manifest: it reads and
+// checks the manifest and compares it with the disk (matchesDisk). A
+// missing or torn manifest is errNoManifest; one that differs from the
+// disk, ErrDrift.
+func (w *AtomicWriter) adoptManifest(name string) (*version, error) {
+	d, err := w.openVersion(name)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	m, err := w.readManifest(d)
+	if err != nil {
+		return nil, err
+	}
+	if err := w.matchesDisk(m, d); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrDrift, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(d.Fd()), &st); err != nil || !w.dirAttrsMatch(st) {
+		w.rebuildDirs = true
+	}
+	return &version{name: name, manifest: m}, nil
 }
 
 // RemoveStrays removes every entry of the mount directory that the atomic
@@ -158,6 +223,14 @@ func (w *AtomicWriter) verify() error {
 	if target != w.current.name {
 		return fmt.Errorf("%s points at %q, want %q", DataDirName, target, w.current.name)
 	}
+	if w.current.payload == nil {
+		// Known from its manifest only (no Write since Adopt): compare
+		// that with the disk again.
+		if _, err := w.adoptManifest(target); err != nil {
+			return err
+		}
+		return nil
+	}
 	disk, err := w.readVersion(target)
 	if err != nil {
 		return err
@@ -173,6 +246,9 @@ func (w *AtomicWriter) verify() error {
 	}
 	if len(disk) != len(w.current.payload) {
 		return fmt.Errorf("version holds %d files, want %d", len(disk), len(w.current.payload))
+	}
+	if err := w.checkManifest(); err != nil {
+		return err
 	}
 	want := topLevel(w.current.payload)
 	entries, err := w.readDir(".")
@@ -195,6 +271,70 @@ func (w *AtomicWriter) verify() error {
 	for name := range want {
 		return fmt.Errorf("visible entry %s is missing", name)
 	}
+	return nil
+}
+
+// checkManifest makes sure the current version, whose bytes were just
+// found to match its payload, has a manifest that matches the disk and
+// records that payload — so that the next start can adopt it without
+// reading — and writes it anew if not (a manifest removed or edited by
+// hand is not drift of the content readers see).
+func (w *AtomicWriter) checkManifest() error {
+	d, err := w.openVersion(w.current.name)
+	if err != nil {
+		return err
+	}
+	m, err := w.readManifest(d)
+	if err == nil {
+		err = w.matchesDisk(m, d)
+	}
+	d.Close()
+	if err == nil && m.matchesPayload(w.current.payload) {
+		return nil
+	}
+	return w.addManifest()
+}
+
+// addManifest writes the manifest of the current version, whose bytes are
+// known (payload), into its directory: under ..manifest.tmp, fsynced, then
+// renamed over ..manifest, and the directory fsynced. A crash in between
+// leaves a ..manifest.tmp that adoption ignores.
+func (w *AtomicWriter) addManifest() error {
+	v := w.current
+	d, err := w.openVersion(v.name)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	dirs := dirHandles{".": d}
+	entries := make([]manifestEntry, 0, len(v.payload))
+	for _, p := range v.payload.Paths() {
+		e := entryOf(p, v.payload[p])
+		sub := dirs.open(path.Dir(p))
+		var st unix.Stat_t
+		if sub == nil || unix.Fstatat(int(sub.Fd()), path.Base(p), &st, unix.AT_SYMLINK_NOFOLLOW) != nil {
+			return fmt.Errorf("atomic writer: %s: %w: %s is missing", w.dir, ErrDrift, p)
+		}
+		e.Ino = st.Ino
+		entries = append(entries, e)
+	}
+	delete(dirs, ".") // closed by the defer above
+	defer dirs.close()
+	if err := unix.Unlinkat(int(d.Fd()), manifestTmpName, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if err := writeManifest(d, manifestTmpName, newManifest(entries), w.opts.Sync); err != nil {
+		return err
+	}
+	if err := unix.Renameat(int(d.Fd()), manifestTmpName, int(d.Fd()), ManifestName); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if w.opts.Sync {
+		if err := syncFile(d); err != nil {
+			return fmt.Errorf("atomic writer: fsync %s: %w", v.name, err)
+		}
+	}
+	v.noManifest = false
 	return nil
 }
 
@@ -273,6 +413,11 @@ func (w *AtomicWriter) removeLeftovers(keep string) error {
 	if err != nil {
 		return err
 	}
+	return w.removeLeftoversOf(entries, keep)
+}
+
+// removeLeftoversOf is removeLeftovers over entries, the mount directory's.
+func (w *AtomicWriter) removeLeftoversOf(entries []fs.DirEntry, keep string) error {
 	for _, e := range entries {
 		name := e.Name()
 		var err error
@@ -299,6 +444,9 @@ func (w *AtomicWriter) readVersion(name string) (Payload, error) {
 		}
 		if d.IsDir() {
 			return nil
+		}
+		if path.Dir(p) == name && strings.HasPrefix(d.Name(), "..") {
+			return nil // the manifest, or a stale ..manifest.tmp
 		}
 		if !d.Type().IsRegular() {
 			return fmt.Errorf("%s is not a regular file", p)

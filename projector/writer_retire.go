@@ -103,7 +103,7 @@ func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
 		dirs["."] = d
 		defer dirs.close()
 	}
-	for _, p := range v.payload.Paths() {
+	for _, p := range v.paths() {
 		d := dirs.open(path.Dir(p))
 		if d == nil {
 			break
@@ -111,7 +111,8 @@ func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
 		_ = unix.Unlinkat(int(d.Fd()), path.Base(p), 0)
 	}
 	clean := true
-	for _, dir := range slices.Backward(slices.Sorted(maps.Keys(directories(v.payload)))) {
+	_ = unix.Unlinkat(int(dirs["."].Fd()), ManifestName, 0)
+	for _, dir := range slices.Backward(slices.Sorted(maps.Keys(v.dirs()))) {
 		parent := dirs.open(path.Dir(dir))
 		if parent == nil || unix.Unlinkat(int(parent.Fd()), path.Base(dir), unix.AT_REMOVEDIR) != nil {
 			clean = false

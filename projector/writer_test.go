@@ -1,6 +1,7 @@
 package projector
 
 import (
+	"encoding/json"
 	"errors"
 	"io/fs"
 	"maps"
@@ -79,6 +80,9 @@ func checkMount(t *testing.T, dir string, want Payload) {
 			return err
 		}
 		rel, _ := filepath.Rel(root, p)
+		if rel == ManifestName {
+			return nil // checked below
+		}
 		// Read through the visible symlink, as a reader would.
 		data, err := os.ReadFile(filepath.Join(dir, rel))
 		if err != nil {
@@ -97,6 +101,45 @@ func checkMount(t *testing.T, dir string, want Payload) {
 	}
 	if !got.Equal(want) {
 		t.Errorf("mount holds %v; want %v", describe(got), describe(want))
+	}
+	checkManifest(t, root, want)
+}
+
+// checkManifest asserts that the version directory root holds a manifest
+// readable by its owner only that records want, with the inode of each
+// file, and adds up to its digest.
+func checkManifest(t *testing.T, root string, want Payload) {
+	t.Helper()
+	info, err := os.Lstat(filepath.Join(root, ManifestName))
+	if err != nil {
+		t.Fatalf("manifest: %v", err)
+	}
+	if info.Mode() != 0o600 {
+		t.Errorf("manifest mode %v; want -rw-------", info.Mode())
+	}
+	data, err := os.ReadFile(filepath.Join(root, ManifestName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m manifest
+	if err := json.Unmarshal(data, &m); err != nil {
+		t.Fatalf("manifest: %v", err)
+	}
+	if m.Format != manifestFormat || m.Digest != want.Digest() || m.Digest != payloadDigest(m.Files) {
+		t.Errorf("manifest format %q digest %s (of its entries %s); want %q, %s", m.Format, m.Digest, payloadDigest(m.Files), manifestFormat, want.Digest())
+	}
+	if len(m.Files) != len(want) {
+		t.Errorf("manifest has %d entries; want %d", len(m.Files), len(want))
+	}
+	for _, e := range m.Files {
+		f, ok := want[e.Path]
+		if !ok || !e.sameFile(f) {
+			t.Errorf("manifest entry %+v does not record %q", e, e.Path)
+			continue
+		}
+		if ino := inode(t, filepath.Join(root, e.Path)); ino != e.Ino {
+			t.Errorf("manifest: %s has inode %d; the disk %d", e.Path, e.Ino, ino)
+		}
 	}
 }
 
@@ -343,8 +386,8 @@ func TestAdoptRemovesCrashLeftovers(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !got.Equal(payload) {
-		t.Errorf("adopted %v; want %v", describe(got), describe(payload))
+	if got.Version != current || got.Files != len(payload) || !got.FromManifest {
+		t.Errorf("adopted %+v; want version %s, %d files, from its manifest", got, current, len(payload))
 	}
 	if w2.Version() != current {
 		t.Errorf("adopted version %s; want %s", w2.Version(), current)
@@ -365,8 +408,8 @@ func TestAdoptAfterCrashBeforeFirstSwitch(t *testing.T) {
 	}
 	w := newWriter(t, dir)
 	got, err := w.Adopt()
-	if err != nil || got != nil {
-		t.Fatalf("Adopt = %v, %v; want nil, nil", got, err)
+	if err != nil || got.Version != "" {
+		t.Fatalf("Adopt = %+v, %v; want no version, no error", got, err)
 	}
 	checkMount(t, dir, nil)
 }

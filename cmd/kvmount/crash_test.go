@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -43,8 +44,14 @@ func checkComplete(t *testing.T, dir string, projected bool) string {
 	if err != nil {
 		t.Fatalf("..data names %s, which cannot be read: %v", current, err)
 	}
-	if len(entries) != crashKeys {
-		t.Fatalf("version %s holds %d files; want %d", current, len(entries), crashKeys)
+	if len(entries) != crashKeys+1 {
+		t.Fatalf("version %s holds %d files; want %d and its manifest", current, len(entries), crashKeys)
+	}
+	// The manifest belongs to its version: whole, listing every key.
+	if m, err := readCrashManifest(filepath.Join(dir, current)); err != nil {
+		t.Fatalf("version %s: %v", current, err)
+	} else if len(m.Files) != crashKeys {
+		t.Fatalf("version %s: the manifest lists %d files; want %d", current, len(m.Files), crashKeys)
 	}
 	var value string
 	for i := range crashKeys {
@@ -68,6 +75,31 @@ func checkComplete(t *testing.T, dir string, projected bool) string {
 		}
 	}
 	return value
+}
+
+// readCrashManifest reads the manifest of the version directory dir.
+func readCrashManifest(dir string) (*struct{ Files []json.RawMessage }, error) {
+	data, err := os.ReadFile(filepath.Join(dir, "..manifest"))
+	if err != nil {
+		return nil, err
+	}
+	var m struct{ Files []json.RawMessage }
+	if err := json.Unmarshal(data, &m); err != nil {
+		return nil, fmt.Errorf("the manifest is torn: %w", err)
+	}
+	return &m, nil
+}
+
+// tornManifest reports whether a version directory in dir other than the
+// one ..data names holds a manifest that is not whole yet: a write held
+// by KVMOUNT_TEST_MANIFEST_PAUSE half way.
+func tornManifest(dir string) bool {
+	for _, name := range leftoversQuiet(dir) {
+		if data, err := os.ReadFile(filepath.Join(dir, name, "..manifest")); err == nil && !json.Valid(data) {
+			return true
+		}
+	}
+	return false
 }
 
 // txnNumber returns N of a value "vN", or -1.
@@ -107,9 +139,10 @@ func killed(dir string) (inWrite, atSwitch bool) {
 // older transaction than before, what a killed write left is gone after the
 // next start, every restart catches up with the transactions made before
 // it, and the content converges on the last transaction. Every fifth kill
-// is aimed between ..data_tmp and the rename (see projector's crash-test
-// hook); the others land at random, and the test requires a share of them
-// inside writes.
+// is aimed between ..data_tmp and the rename, and every fifth another one
+// while a version's manifest is half written (see projector's crash-test
+// hooks); the others land at random, and the test requires a share of
+// them inside writes.
 func TestCrashConsistency(t *testing.T) {
 	const kills = 200
 	e := newEnv(t)
@@ -160,7 +193,7 @@ func TestCrashConsistency(t *testing.T) {
 
 	deadline := time.Now().Add(10 * time.Minute)
 	var before []string // leftovers of the previous kill
-	var interrupted, atSwitch, advanced int
+	var interrupted, atSwitch, atManifest, advanced int
 	previous := ""
 	for kill := range kills {
 		if time.Now().After(deadline) {
@@ -169,10 +202,13 @@ func TestCrashConsistency(t *testing.T) {
 		mu.Lock()
 		committed := last // made before this start: the daemon must catch up
 		mu.Unlock()
-		aim := kill%5 == 4
+		aim, aimManifest := kill%5 == 4, kill%5 == 2
 		var environ []string
-		if aim {
+		switch {
+		case aim:
 			environ = []string{"KVMOUNT_TEST_SWITCH_PAUSE=30ms"}
+		case aimManifest:
+			environ = []string{"KVMOUNT_TEST_MANIFEST_PAUSE=30ms"}
 		}
 		cmd, logs := e.startEnv(environ, "run")
 		// Whatever the previous kill left must be gone once the restarted
@@ -200,6 +236,14 @@ func TestCrashConsistency(t *testing.T) {
 				}
 				if time.Now().After(wait) {
 					t.Fatalf("kill %d: no ..data_tmp appeared; logs:\n%s", kill, logs)
+				}
+				time.Sleep(200 * time.Microsecond)
+			}
+		case aimManifest:
+			// Kill while a new version's manifest is half written.
+			for wait := time.Now().Add(waitTimeout); !tornManifest(dir); {
+				if time.Now().After(wait) {
+					t.Fatalf("kill %d: no manifest was seen half written; logs:\n%s", kill, logs)
 				}
 				time.Sleep(200 * time.Microsecond)
 			}
@@ -247,8 +291,14 @@ func TestCrashConsistency(t *testing.T) {
 		} else if aim {
 			t.Errorf("kill %d was aimed between ..data_tmp and the rename but left no ..data_tmp", kill)
 		}
+		if aimManifest {
+			if !tornManifest(dir) {
+				t.Errorf("kill %d was aimed at a half-written manifest but left none", kill)
+			}
+			atManifest++
+		}
 	}
-	t.Logf("%d kills: %d interrupted a write, %d of them between ..data_tmp and the rename; %d found newer content than the kill before", kills, interrupted, atSwitch, advanced)
+	t.Logf("%d kills: %d interrupted a write, %d of them between ..data_tmp and the rename, %d in a manifest; %d found newer content than the kill before", kills, interrupted, atSwitch, atManifest, advanced)
 	if interrupted < kills/4 || atSwitch < kills/5 || advanced < kills/4 {
 		t.Errorf("the kills did not exercise writes: %d interrupted (want ≥ %d), %d at the switch (want ≥ %d), %d advanced (want ≥ %d)", interrupted, kills/4, atSwitch, kills/5, advanced, kills/4)
 	}

@@ -32,8 +32,9 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	kvmountBin = filepath.Join(dir, "kvmount")
-	// The kvmount_crashtest tag adds one test hook (projector's
-	// KVMOUNT_TEST_SWITCH_PAUSE), inert unless that variable is set.
+	// The kvmount_crashtest tag adds two test hooks (projector's
+	// KVMOUNT_TEST_SWITCH_PAUSE and KVMOUNT_TEST_MANIFEST_PAUSE), inert
+	// unless those variables are set.
 	build := exec.Command("go", "build", "-race", "-tags", "kvmount_crashtest", "-o", kvmountBin, ".")
 	build.Stderr = os.Stderr
 	if err := build.Run(); err != nil {

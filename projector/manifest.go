@@ -1,0 +1,362 @@
+package projector
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"slices"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/fsutil"
+)
+
+// A version's manifest: what its files are — paths, sizes, modes, owners,
+// inode numbers and SHA-256 hashes — written and fsynced inside the version
+// directory before the switch, like the files themselves. A restart adopts
+// a version from its manifest with one fstat per file and compares the
+// hashes with the desired payload, instead of reading every byte of every
+// file (adoption costs O(files), not O(bytes)); the byte-for-byte
+// comparison is left to the next verification (Verify). A version without
+// a manifest (written by an older kvmount), or with one that is torn or
+// does not match the disk, is adopted by reading, as before.
+//
+// The manifest is readable by kvmount's user only (0600): the hash of a
+// short secret would give it away. Its name begins with "..", which no
+// payload path may (CleanPath), so it never collides with a file.
+
+// ManifestName is the manifest's name in a version directory, and
+// manifestTmpName the name it is written under when added to an existing
+// version (see addManifest).
+const (
+	ManifestName    = "..manifest"
+	manifestTmpName = "..manifest.tmp"
+	// manifestFormat names the format; another is treated as missing.
+	manifestFormat = "kvmount-manifest/1"
+	// maxManifestSize bounds what is read of a manifest, in bytes: the
+	// version directory may belong to the mount's user (WriterOptions.DirUID),
+	// who could put anything there.
+	maxManifestSize = 64 << 20
+)
+
+// manifestEntry is one file of a version.
+type manifestEntry struct {
+	Path string `json:"path"`
+	// Size in bytes; Mode the permission bits.
+	Size int64  `json:"size"`
+	Mode uint32 `json:"mode"`
+	UID  int    `json:"uid"`
+	GID  int    `json:"gid"`
+	// Ino is the file's inode number on disk: a file replaced by another
+	// (a rename over it) is told apart at once.
+	Ino uint64 `json:"ino"`
+	// SHA256 is the hash of the file's content, in hex.
+	SHA256 string `json:"sha256"`
+}
+
+// manifest is a version's manifest: Files sorted by path, and Digest, the
+// digest of the payload they make up (payloadDigest), first in the file so
+// that PeekDigest reads only its head.
+type manifest struct {
+	Format string          `json:"format"`
+	Digest string          `json:"digest"`
+	Files  []manifestEntry `json:"files"`
+	// index maps a path to its entry in Files.
+	index map[string]int
+}
+
+// entryOf returns the manifest entry of f at path p, without its inode.
+func entryOf(p string, f File) manifestEntry {
+	sum := sha256.Sum256(f.Data)
+	return manifestEntry{Path: p, Size: int64(len(f.Data)), Mode: uint32(f.Mode.Perm()), UID: f.UID, GID: f.GID, SHA256: hex.EncodeToString(sum[:])}
+}
+
+// sameFile reports whether e records the file f (content by hash, size,
+// mode and owner).
+func (e manifestEntry) sameFile(f File) bool {
+	if e.Size != int64(len(f.Data)) || e.Mode != uint32(f.Mode.Perm()) || e.UID != f.UID || e.GID != f.GID {
+		return false
+	}
+	sum := sha256.Sum256(f.Data)
+	var want [sha256.Size]byte
+	n, err := hex.Decode(want[:], []byte(e.SHA256))
+	return err == nil && n == sha256.Size && want == sum
+}
+
+// payloadDigest returns the digest of a payload from its entries, sorted
+// by path: SHA-256 over each entry's path, size, mode, owner and content
+// hash (not its inode, which only the disk knows), in hex.
+func payloadDigest(entries []manifestEntry) string {
+	h := sha256.New()
+	var buf [8]byte
+	for _, e := range entries {
+		io.WriteString(h, e.Path)
+		h.Write([]byte{0})
+		for _, v := range []uint64{uint64(e.Size), uint64(e.Mode), uint64(int64(e.UID)), uint64(int64(e.GID))} {
+			binary.BigEndian.PutUint64(buf[:], v)
+			h.Write(buf[:])
+		}
+		io.WriteString(h, e.SHA256)
+	}
+	return hex.EncodeToString(h.Sum(nil))
+}
+
+// Digest returns the digest of p that a version's manifest records
+// (SHA-256, hex): equal digests mean the same paths with the same bytes,
+// modes and owners. The reconciler compares it with PeekDigest to find
+// the mounts whose content changed while kvmount was not running.
+func (p Payload) Digest() string {
+	entries := make([]manifestEntry, 0, len(p))
+	for _, name := range p.Paths() {
+		entries = append(entries, entryOf(name, p[name]))
+	}
+	return payloadDigest(entries)
+}
+
+// PeekDigest returns the payload digest recorded in the manifest of the
+// version that dir's ..data names, reading only the manifest's head, or
+// false when there is none (nothing projected, a version without a
+// manifest, anything unexpected). dir is opened without following a
+// symlink in any component; nothing read is trusted beyond a hint — the
+// adoption that follows checks everything again.
+func PeekDigest(dir string) (string, bool) {
+	d, err := fsutil.OpenDir(dir)
+	if err != nil {
+		return "", false
+	}
+	defer d.Close()
+	buf := make([]byte, unix.PathMax)
+	n, err := unix.Readlinkat(int(d.Fd()), DataDirName, buf)
+	if err != nil || !isVersionName(string(buf[:n])) {
+		return "", false
+	}
+	vfd, err := unix.Openat(int(d.Fd()), string(buf[:n]), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", false
+	}
+	defer unix.Close(vfd)
+	fd, err := unix.Openat(vfd, ManifestName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", false
+	}
+	f := os.NewFile(uintptr(fd), ManifestName)
+	defer f.Close()
+	if info, err := f.Stat(); err != nil || !info.Mode().IsRegular() {
+		return "", false
+	}
+	head := fmt.Sprintf(`{"format":%q,"digest":"`, manifestFormat)
+	want := make([]byte, len(head)+2*sha256.Size+1)
+	if _, err := io.ReadFull(f, want); err != nil || !bytes.HasPrefix(want, []byte(head)) || want[len(want)-1] != '"' {
+		return "", false
+	}
+	digest := string(want[len(head) : len(want)-1])
+	if _, err := hex.DecodeString(digest); err != nil {
+		return "", false
+	}
+	return digest, true
+}
+
+// writeManifest writes m into the version directory dir as name, readable
+// by kvmount's user only, created exclusively without following a symlink,
+// and fsyncs it when sync is set.
+func writeManifest(dir *os.File, name string, m *manifest, sync bool) (err error) {
+	data, err := json.Marshal(m)
+	if err != nil {
+		return fmt.Errorf("atomic writer: manifest: %w", err)
+	}
+	data = append(data, '\n')
+	if testHookManifest != nil {
+		testHookManifest()
+	}
+	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("atomic writer: create %s: %w", name, err)
+	}
+	fh := os.NewFile(uintptr(fd), name)
+	defer func() {
+		if cerr := fh.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("atomic writer: %w", cerr)
+		}
+	}()
+	if testHookManifestWrite != nil {
+		// A crash test's kill lands between the halves.
+		half := len(data) / 2
+		if _, err := fh.Write(data[:half]); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+		testHookManifestWrite()
+		data = data[half:]
+	}
+	if _, err := fh.Write(data); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	if sync {
+		if err := fh.Sync(); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// Test hooks, set by tests and by crash-test binaries: testHookManifest
+// runs before a manifest is created, testHookManifestWrite when half of
+// it is written.
+var testHookManifest, testHookManifestWrite func()
+
+// errNoManifest means a version has no manifest kvmount can use: none
+// (an older kvmount wrote it), torn, or of another format.
+var errNoManifest = errors.New("no usable manifest")
+
+// readManifest reads and checks the manifest of the version directory dir:
+// a regular file owned by kvmount's user, at most maxManifestSize bytes,
+// of this format, whose entries are sorted, clean and unique and add up to
+// its digest. Anything else is errNoManifest.
+func (w *AtomicWriter) readManifest(dir *os.File) (*manifest, error) {
+	fd, err := unix.Openat(int(dir.Fd()), ManifestName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
+	}
+	f := os.NewFile(uintptr(fd), ManifestName)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != w.uid || st.Size > maxManifestSize {
+		return nil, fmt.Errorf("%w: not a regular file of kvmount's user within %d bytes", errNoManifest, maxManifestSize)
+	}
+	data, err := io.ReadAll(io.LimitReader(f, maxManifestSize+1))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
+	}
+	var m manifest
+	if err := json.Unmarshal(data, &m); err != nil {
+		return nil, fmt.Errorf("%w: torn or not JSON", errNoManifest)
+	}
+	if m.Format != manifestFormat {
+		return nil, fmt.Errorf("%w: another format", errNoManifest)
+	}
+	m.index = make(map[string]int, len(m.Files))
+	for i, e := range m.Files {
+		if clean, err := CleanPath(e.Path); err != nil || clean != e.Path || i > 0 && m.Files[i-1].Path >= e.Path {
+			return nil, fmt.Errorf("%w: entries not clean, sorted and unique", errNoManifest)
+		}
+		m.index[e.Path] = i
+	}
+	if payloadDigest(m.Files) != m.Digest {
+		return nil, fmt.Errorf("%w: its entries do not add up to its digest", errNoManifest)
+	}
+	return &m, nil
+}
+
+// matchesDisk compares m with the version directory dir: the same
+// directories, each with the writer's mode and owner (DirMode, DirUID,
+// DirGID), and the same regular files with the recorded size, mode, owner
+// and inode — one fstat per entry, no byte read. It returns nil when they
+// match, or an error saying how many entries differ (never echoing a name
+// from the manifest or the directory, which a local user may control).
+func (w *AtomicWriter) matchesDisk(m *manifest, dir *os.File) error {
+	seen := 0
+	differ := 0
+	var walk func(d *os.File, rel string) error
+	walk = func(d *os.File, rel string) error {
+		names, err := d.Readdirnames(-1)
+		if err != nil {
+			return err
+		}
+		for _, name := range names {
+			if rel == "" && strings.HasPrefix(name, "..") {
+				continue // the manifest, or a stale ..manifest.tmp
+			}
+			p := path.Join(rel, name)
+			var st unix.Stat_t
+			if err := unix.Fstatat(int(d.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return err
+			}
+			switch st.Mode & unix.S_IFMT {
+			case unix.S_IFDIR:
+				if !w.dirAttrsMatch(st) {
+					differ++
+					continue
+				}
+				fd, err := unix.Openat(int(d.Fd()), name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+				if err != nil {
+					return err
+				}
+				sub := os.NewFile(uintptr(fd), p)
+				err = walk(sub, p)
+				sub.Close()
+				if err != nil {
+					return err
+				}
+			case unix.S_IFREG:
+				i, ok := m.index[p]
+				if !ok {
+					differ++
+					continue
+				}
+				seen++
+				e := m.Files[i]
+				if st.Size != e.Size || st.Mode&0o777 != e.Mode || int(st.Uid) != e.UID || int(st.Gid) != e.GID || st.Ino != e.Ino {
+					differ++
+				}
+			default:
+				differ++
+			}
+		}
+		return nil
+	}
+	if err := walk(dir, ""); err != nil {
+		return err
+	}
+	differ += len(m.Files) - seen
+	if differ > 0 {
+		return fmt.Errorf("%d of %d entries differ from the manifest", differ, len(m.Files))
+	}
+	return nil
+}
+
+// dirAttrsMatch reports whether a directory's stat has the writer's mode
+// and owner.
+func (w *AtomicWriter) dirAttrsMatch(st unix.Stat_t) bool {
+	return fs.FileMode(st.Mode&0o777) == w.opts.DirMode.Perm() &&
+		(w.opts.DirUID < 0 || int(st.Uid) == w.opts.DirUID) && (w.opts.DirGID < 0 || int(st.Gid) == w.opts.DirGID)
+}
+
+// matchesPayload reports whether m records exactly payload (by hash).
+func (m *manifest) matchesPayload(payload Payload) bool {
+	if len(m.Files) != len(payload) {
+		return false
+	}
+	for _, e := range m.Files {
+		f, ok := payload[e.Path]
+		if !ok || !e.sameFile(f) {
+			return false
+		}
+	}
+	return true
+}
+
+// paths returns the manifest's paths, sorted.
+func (m *manifest) paths() []string {
+	out := make([]string, len(m.Files))
+	for i, e := range m.Files {
+		out[i] = e.Path
+	}
+	return out
+}
+
+// newManifest returns the manifest of entries, sorted by path.
+func newManifest(entries []manifestEntry) *manifest {
+	slices.SortFunc(entries, func(a, b manifestEntry) int { return strings.Compare(a.Path, b.Path) })
+	return &manifest{Format: manifestFormat, Digest: payloadDigest(entries), Files: entries}
+}

@@ -1,0 +1,233 @@
+package projector
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// manifestPayload is a payload with files at two depths.
+func manifestPayload() Payload {
+	return Payload{
+		"app.conf":       file("listen 80\n", 0o644),
+		"tls/cert.pem":   file("CERT", 0o644),
+		"tls/key.pem":    file("KEY", 0o600),
+		"deep/a/b/c.txt": file("c", 0o640),
+	}
+}
+
+// written writes payload into a new mount directory and returns it with
+// the version's path.
+func written(t *testing.T, payload Payload) (dir, version string) {
+	t.Helper()
+	dir = t.TempDir()
+	w := newWriter(t, dir)
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	return dir, filepath.Join(dir, w.Version())
+}
+
+// adoptAndWrite adopts dir with a new writer, then writes payload, and
+// returns the adoption, the change and whether the version stayed.
+func adoptAndWrite(t *testing.T, dir string, payload Payload) (Adoption, Change, bool) {
+	t.Helper()
+	w := newWriter(t, dir)
+	ad, err := w.Adopt()
+	if err != nil {
+		t.Fatal(err)
+	}
+	change, err := w.Write(payload)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkMount(t, dir, payload)
+	return ad, change, w.Version() == ad.Version
+}
+
+// TestAdoptFromManifest covers the four cases of a restart's adoption: a
+// manifest that matches the disk is used (no file read: a change of bytes
+// that keeps size, inode, mode and owner goes unseen until Verify), one
+// that does not match is drift, adopted by reading and repaired; a missing
+// or torn one falls back to reading, and the next Write adds a manifest
+// without touching the version.
+func TestAdoptFromManifest(t *testing.T) {
+	payload := manifestPayload()
+
+	t.Run("match", func(t *testing.T) {
+		dir, _ := written(t, payload)
+		ad, change, same := adoptAndWrite(t, dir, payload)
+		if !ad.FromManifest || ad.Files != len(payload) || ad.ManifestErr != nil {
+			t.Errorf("Adopt = %+v; want from the manifest, %d files", ad, len(payload))
+		}
+		if !change.Empty() || !same {
+			t.Errorf("Write of the same payload changed %+v (same version: %v); want nothing", change, same)
+		}
+	})
+
+	t.Run("match, then a change", func(t *testing.T) {
+		dir, version := written(t, payload)
+		next := manifestPayload()
+		next["tls/cert.pem"] = file("CERT2", 0o644)
+		before := inode(t, filepath.Join(version, "app.conf"))
+		ad, change, same := adoptAndWrite(t, dir, next)
+		if !ad.FromManifest || same {
+			t.Fatalf("Adopt = %+v, version kept %v; want from the manifest, then a new version", ad, same)
+		}
+		if len(change.Changed) != 1 || change.Changed[0] != "tls/cert.pem" || len(change.Added)+len(change.Removed) != 0 {
+			t.Errorf("change %+v; want tls/cert.pem changed", change)
+		}
+		if got := inode(t, filepath.Join(dir, "app.conf")); got != before {
+			t.Errorf("an unchanged file was written again (inode %d, was %d); want it hard-linked", got, before)
+		}
+	})
+
+	t.Run("mismatch is drift, repaired", func(t *testing.T) {
+		dir, version := written(t, payload)
+		if err := os.Chmod(filepath.Join(version, "tls/key.pem"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		ad, change, same := adoptAndWrite(t, dir, payload)
+		if ad.FromManifest || !errors.Is(ad.ManifestErr, ErrDrift) {
+			t.Errorf("Adopt = %+v; want adopted by reading, the manifest's error ErrDrift", ad)
+		}
+		if same || len(change.Changed) != 1 || change.Changed[0] != "tls/key.pem" {
+			t.Errorf("Write changed %+v (version kept: %v); want tls/key.pem repaired in a new version", change, same)
+		}
+	})
+
+	t.Run("replaced file is drift", func(t *testing.T) {
+		dir, version := written(t, payload)
+		p := filepath.Join(version, "app.conf")
+		if err := os.WriteFile(p+".new", []byte("listen 80\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(p+".new", p); err != nil {
+			t.Fatal(err)
+		}
+		ad, _, _ := adoptAndWrite(t, dir, payload)
+		if ad.FromManifest || !errors.Is(ad.ManifestErr, ErrDrift) {
+			t.Errorf("Adopt = %+v; want the new inode found: adopted by reading", ad)
+		}
+	})
+
+	for name, spoil := range map[string]func(p string) error{
+		"missing": os.Remove,
+		"torn": func(p string) error {
+			info, err := os.Stat(p)
+			if err != nil {
+				return err
+			}
+			return os.Truncate(p, info.Size()/2)
+		},
+		"entries edited": func(p string) error {
+			data, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			var m manifest
+			if err := json.Unmarshal(data, &m); err != nil {
+				return err
+			}
+			m.Files[0].Size++ // valid JSON, but not its digest
+			data, err = json.Marshal(&m)
+			if err != nil {
+				return err
+			}
+			return os.WriteFile(p, data, 0o600)
+		},
+		"not kvmount's": func(p string) error { return os.Chown(p, 65534, 65534) },
+	} {
+		t.Run(name+" falls back to reading", func(t *testing.T) {
+			dir, version := written(t, payload)
+			if err := spoil(filepath.Join(version, ManifestName)); err != nil {
+				t.Fatal(err)
+			}
+			ad, change, same := adoptAndWrite(t, dir, payload)
+			if ad.FromManifest || !errors.Is(ad.ManifestErr, errNoManifest) || ad.Files != len(payload) {
+				t.Errorf("Adopt = %+v; want adopted by reading, the manifest's error errNoManifest", ad)
+			}
+			if !change.Empty() || !same {
+				t.Errorf("Write changed %+v (version kept: %v); want nothing, and a manifest added (checkMount)", change, same)
+			}
+		})
+	}
+}
+
+// TestManifestLeavesBytesToVerify edits a file in place, keeping its size,
+// inode, mode and owner: adoption from the manifest does not read it —
+// what makes a restart cost O(files) — and Verify, which reads every byte,
+// finds it and the next Write repairs it.
+func TestManifestLeavesBytesToVerify(t *testing.T) {
+	payload := manifestPayload()
+	dir, version := written(t, payload)
+	if err := os.WriteFile(filepath.Join(version, "app.conf"), []byte("listen 81\n"), 0); err != nil {
+		t.Fatal(err)
+	}
+	w := newWriter(t, dir)
+	ad, err := w.Adopt()
+	if err != nil || !ad.FromManifest {
+		t.Fatalf("Adopt = %+v, %v; want from the manifest", ad, err)
+	}
+	if change, err := w.Write(payload); err != nil || !change.Empty() {
+		t.Fatalf("Write = %+v, %v; want nothing changed", change, err)
+	}
+	if err := w.Verify(); !errors.Is(err, ErrDrift) {
+		t.Fatalf("Verify = %v; want ErrDrift", err)
+	}
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	checkMount(t, dir, payload)
+}
+
+// TestVerifyRestoresTheManifest removes and spoils the manifest of a
+// current version: Verify finds the content intact, reports no drift,
+// and writes the manifest again so that the next start can use it.
+func TestVerifyRestoresTheManifest(t *testing.T) {
+	payload := manifestPayload()
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	m := filepath.Join(dir, w.Version(), ManifestName)
+	for _, spoil := range []func() error{
+		func() error { return os.Remove(m) },
+		func() error { return os.WriteFile(m, []byte(`{"format":"kvmount-manifest/1"}`), 0o600) },
+	} {
+		if err := spoil(); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Verify(); err != nil {
+			t.Fatalf("Verify = %v; want no drift", err)
+		}
+		checkMount(t, dir, payload)
+	}
+}
+
+// TestPeekDigest reads the digest from the manifest's head: the payload's
+// digest, and nothing for a mount without a manifest or without a version.
+func TestPeekDigest(t *testing.T) {
+	payload := manifestPayload()
+	dir, version := written(t, payload)
+	if got, ok := PeekDigest(dir); !ok || got != payload.Digest() {
+		t.Errorf("PeekDigest = %q, %v; want %q", got, ok, payload.Digest())
+	}
+	other := manifestPayload()
+	other["app.conf"] = file("listen 81\n", 0o644)
+	if other.Digest() == payload.Digest() {
+		t.Error("two payloads have the same digest")
+	}
+	if err := os.Remove(filepath.Join(version, ManifestName)); err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := PeekDigest(dir); ok {
+		t.Errorf("PeekDigest without a manifest = %q; want none", got)
+	}
+	if got, ok := PeekDigest(t.TempDir()); ok {
+		t.Errorf("PeekDigest of an empty directory = %q; want none", got)
+	}
+}
