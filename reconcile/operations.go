@@ -28,6 +28,9 @@ type runtime struct {
 	writer  *projector.AtomicWriter
 	spec    *config.Mount
 	written projector.Payload
+	// adoption is how the last open took over the directory, until an
+	// operation reports it.
+	adoption projector.Adoption
 }
 
 // result is what an operation reports to the loop.
@@ -43,6 +46,7 @@ type result struct {
 	collectAt  time.Time
 	payload    projector.Payload
 	change     projector.Change
+	adoption   projector.Adoption
 	drift      error
 	err        error
 	duration   time.Duration
@@ -80,6 +84,7 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 		res.collectAt = rt.writer.CollectDue()
 		res.opened = op.Kind == Setup || op.Kind == Remount
 	}
+	res.adoption, rt.adoption = rt.adoption, projector.Adoption{}
 	res.duration = time.Since(start)
 	return res
 }
@@ -257,10 +262,18 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 			return fmt.Errorf("mount %q: %w", name, err)
 		}
 	}
-	if _, err := w.Adopt(); err != nil {
+	ad, err := w.Adopt()
+	if err != nil {
 		w.Close()
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
+	switch {
+	case errors.Is(ad.ManifestErr, projector.ErrDrift):
+		r.log.Warn("the manifest of the version on disk does not match it: adopted by reading every file, and what differs is written again", "mount", name, "version", ad.Version, "drift", ad.ManifestErr)
+	case ad.Version != "":
+		r.log.Debug("adopted the version on disk", "mount", name, "version", ad.Version, "files", ad.Files, "from_manifest", ad.FromManifest, "manifest_err", ad.ManifestErr)
+	}
+	rt.adoption = ad
 	if err := r.owned.Set(name, rec); err != nil {
 		w.Close()
 		return err

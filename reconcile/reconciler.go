@@ -88,6 +88,12 @@ type Reconciler struct {
 	// pass plans and reports them, sorted again only when the mounts
 	// change.
 	names []string
+	// running holds the class of each operation in flight, verifyAt when
+	// the next verification may start, and digests the desired payloads'
+	// digests of mounts not yet adopted (schedule.go).
+	running  map[string]opClass
+	verifyAt time.Time
+	digests  map[string]digestAt
 }
 
 type reloadRequest struct {
@@ -110,7 +116,9 @@ type ReloadConfig struct {
 // New returns a reconciler whose actual state starts from owned: every
 // recorded mount is taken as projected at an unknown generation, so that it
 // is adopted (compared, not rewritten) when still configured and torn down
-// when not.
+// when not. The digest of each one's content is read from its manifest's
+// head (projector.PeekDigest), so that the mounts whose content changed
+// while kvmount was not running are written first.
 func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts Options) *Reconciler {
 	if opts.ResyncInterval <= 0 {
 		opts.ResyncInterval = config.DefaultResyncInterval
@@ -126,9 +134,12 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 		results:  make(chan result),
 		reloads:  make(chan reloadRequest),
 		pings:    make(chan chan struct{}),
+		running:  map[string]opClass{},
+		digests:  map[string]digestAt{},
 	}
 	for name, rec := range owned.All() {
-		r.asw.Mounts[name] = &ActualMount{Dir: rec.Dir, Medium: rec.Medium}
+		digest, _ := projector.PeekDigest(rec.Dir)
+		r.asw.Mounts[name] = &ActualMount{Dir: rec.Dir, Medium: rec.Medium, DiskDigest: digest}
 	}
 	r.opCtx, r.opCancel = context.WithCancel(context.Background())
 	return r
@@ -230,6 +241,10 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 		r.names = slices.Sorted(maps.Keys(dsw))
 	}
 	ops, retryAt := planSorted(withTeardowns(r.names, dsw, r.asw), dsw, r.asw, now)
+	ops, verifyAt := r.schedule(ops, dsw, now)
+	if !verifyAt.IsZero() && (retryAt.IsZero() || verifyAt.Before(retryAt)) {
+		retryAt = verifyAt
+	}
 	for _, op := range ops {
 		r.dispatch(op, dsw[op.Mount])
 	}
@@ -314,6 +329,7 @@ func (r *Reconciler) apply(res result) {
 	delete(r.asw.InFlight, name)
 	log := r.log.With("mount", name)
 	now := time.Now()
+	r.finished(name, res.duration, now)
 	if a := r.asw.Mounts[name]; a != nil && res.op.Kind != Teardown {
 		a.CollectAt = res.collectAt
 	}
@@ -357,7 +373,13 @@ func (r *Reconciler) apply(res result) {
 			r.asw.Mounts[name] = a
 		}
 		a.Dir, a.Medium, a.Generation, a.Version, a.RemountRequired = res.spec.Dir, res.spec.Medium, res.generation, res.version, false
-		a.CollectAt, a.PendingSince = res.collectAt, time.Time{}
+		a.CollectAt, a.PendingSince, a.DiskDigest = res.collectAt, time.Time{}, ""
+		delete(r.digests, name)
+		if res.adoption.FromManifest {
+			// Adopted without reading a byte: the background
+			// verification reads them back.
+			a.VerifyDue = true
+		}
 		if !res.change.Empty() {
 			log.Info("projected", "revision", res.revision, "version", res.version,
 				"added", len(res.change.Added), "changed", len(res.change.Changed), "removed", len(res.change.Removed),
@@ -370,6 +392,7 @@ func (r *Reconciler) apply(res result) {
 		a := r.asw.Mounts[name]
 		delete(r.asw.Mounts, name)
 		delete(r.runtimes, name)
+		delete(r.digests, name)
 		if a != nil {
 			log.Info("torn down", "dir", a.Dir)
 			r.opts.Observer.Observe(TornDownEvent{Mount: name, Dir: a.Dir, Time: now})

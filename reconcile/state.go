@@ -69,6 +69,10 @@ type ActualMount struct {
 	// written, zero while they match: the start of the quiescence's
 	// wait.max.
 	PendingSince time.Time
+	// DiskDigest is the digest of the content a previous run left, from
+	// its manifest (projector.PeekDigest), while not yet adopted: a mount
+	// whose payload's digest differs is adopted first (schedule.go).
+	DiskDigest string
 }
 
 // Failure is the backoff state of a mount whose last operation failed.
