@@ -1,9 +1,12 @@
 package etcd
 
 import (
+	"bytes"
 	"context"
 	"fmt"
+	"os"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -152,4 +155,83 @@ func TestUnansweredProgressIsNoStall(t *testing.T) {
 		t.Errorf("a live member was reported: %v", errs)
 	}
 	t.Logf("%d progress requests, %d rounds of status probes, no stall reported", mon.progressRequests.Load(), mon.statusProbes.Load())
+}
+
+// BenchmarkIdleStallDetection measures what stall detection costs etcd
+// when nothing changes: 100 sources (as 100 daemons would: a client, a
+// connection and a watch stream each), two prefixes each, idle against one
+// etcd member running as its own process. Over a 15 s window after they
+// settle it reports the progress requests each source sent per second
+// (progress-req/s/daemon) and the member's CPU (user + system, from
+// /proc/PID/stat) per second and per daemon (member-cpu-us/s/daemon),
+// against the same window with the same 100 sources' connections open but
+// no watches (idle-cpu-us/s/daemon). b.N is ignored: one measurement (run
+// with -benchtime 1x).
+func BenchmarkIdleStallDetection(b *testing.B) {
+	const daemons, window = 100, 15 * time.Second
+	cl := etcdtest.StartCluster(b, 1)
+	pid := cl.Members[0].Pid()
+	cpu := func() time.Duration {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			b.Fatal(err)
+		}
+		// Fields after the command's closing parenthesis: utime is the
+		// 14th field of the line, stime the 15th (proc(5)).
+		f := strings.Fields(string(data[bytes.LastIndexByte(data, ')')+2:]))
+		ut, _ := strconv.ParseInt(f[11], 10, 64)
+		st, _ := strconv.ParseInt(f[12], 10, 64)
+		return time.Duration(ut+st) * time.Second / 100 // USER_HZ
+	}
+	measure := func() time.Duration {
+		c0 := cpu()
+		time.Sleep(window)
+		return cpu() - c0
+	}
+	// The same connections without watches: keepalives only.
+	var clients []*clientv3.Client
+	for range daemons {
+		cli := cl.Client(b)
+		if _, err := cli.Get(context.Background(), "/warm"); err != nil {
+			b.Fatal(err)
+		}
+		clients = append(clients, cli)
+	}
+	time.Sleep(3 * time.Second)
+	idle := measure()
+	for _, cli := range clients {
+		cli.Close()
+	}
+	var sources []*Source
+	for d := range daemons {
+		src, err := New("main", &Config{Endpoints: cl.Endpoints(), DialTimeout: 2 * time.Second, ChangeDetection: Watch}, sourcetest.Discard)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { src.Close() })
+		sourcetest.Follow(b, src, fmt.Sprintf("/d%03d/a/", d))
+		sourcetest.Follow(b, src, fmt.Sprintf("/d%03d/b/", d))
+		sources = append(sources, src)
+	}
+	time.Sleep(3 * time.Second)
+	requests := func() (n int64) {
+		for _, src := range sources {
+			src.mu.Lock()
+			if m := src.monitor; m != nil {
+				n += m.progressRequests.Load() + m.statusProbes.Load()
+			}
+			src.mu.Unlock()
+		}
+		return n
+	}
+	r0 := requests()
+	b.ResetTimer()
+	watching := measure()
+	b.StopTimer()
+	perDaemon := func(d time.Duration) float64 {
+		return float64(d.Microseconds()) / window.Seconds() / daemons
+	}
+	b.ReportMetric(float64(requests()-r0)/window.Seconds()/daemons, "progress-req/s/daemon")
+	b.ReportMetric(perDaemon(watching), "member-cpu-us/s/daemon")
+	b.ReportMetric(perDaemon(idle), "idle-cpu-us/s/daemon")
 }
