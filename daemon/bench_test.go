@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/consul/api"
+	"golang.org/x/sync/errgroup"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/internal/consultest"
@@ -276,12 +277,30 @@ func report(b *testing.B, name string, d []time.Duration) {
 // knowsAdmin reports whether the kvmount binary bin accepts an [admin]
 // table (binaries from before the admin endpoint refuse it).
 func knowsAdmin(b *testing.B, bin string) bool {
+	return accepts(b, bin, "[admin]\naddress = \"\"\n")
+}
+
+// accepts reports whether kvmount check of the binary bin accepts config.
+func accepts(b *testing.B, bin, config string) bool {
 	b.Helper()
 	path := filepath.Join(b.TempDir(), "probe.toml")
-	if err := os.WriteFile(path, []byte("[admin]\naddress = \"\"\n"), 0o644); err != nil {
+	if err := os.WriteFile(path, []byte(config), 0o644); err != nil {
 		b.Fatal(err)
 	}
 	return exec.Command(bin, "check", "-config", path).Run() == nil
+}
+
+// noAdmin is the [admin] table that turns off every admin endpoint the
+// binary bin knows: the TCP address and, where it has one, the unix socket
+// (so that two daemons of a benchmark never share /run/kvmount).
+func noAdmin(b *testing.B, bin string) string {
+	if withSocket := "[admin]\naddress = \"\"\nsocket = \"\"\n"; accepts(b, bin, withSocket) {
+		return withSocket
+	}
+	if knowsAdmin(b, bin) {
+		return "[admin]\naddress = \"\"\n"
+	}
+	return "" // a binary from before the admin endpoint
 }
 
 // BenchmarkPutToFile is the latency from a put of one key, in etcd and in
@@ -602,11 +621,20 @@ func processConnections(b *testing.B, pid int, port int) int {
 }
 
 // BenchmarkScale100kKeys starts kvmount with 1,000 mounts of 100 keys each
-// (100,000 keys, 7.5 MB of values) on one etcd, on disk, and reports the
-// time to project everything from cold, the resident memory at rest (RSS
-// and per key), and the time a restart takes to adopt every mount and
-// apply a new write. b.N is ignored beyond the first iteration: it is one
-// measurement (run with -benchtime 1x).
+// (100,000 keys, 7.5 MB of values) on one etcd, on disk, and reports:
+//
+//   - cold-start-s: from the start with nothing on disk until every mount
+//     is projected, beside floor-s, a plain program creating the same
+//     files (1,000 directories at once, each file written and fsynced,
+//     then its directory fsynced) in the same temporary directory in the
+//     same run, and their ratio cold/floor;
+//   - rss-MiB and rss-B/key: resident memory at rest;
+//   - restart-write-s: from a restart (SIGTERM, start again) until a
+//     write to the last mount, made right after the start, is visible;
+//     the benchmark fails if the restart rewrote an unchanged mount.
+//
+// b.N is ignored beyond the first iteration: it is one measurement (run
+// with -benchtime 1x).
 //
 // With $KVMOUNT_BENCH_BASELINE set (see BenchmarkPutToFile), that binary
 // ("/baseline") and then this tree's ("/head") each run against an etcd of
@@ -619,6 +647,51 @@ func BenchmarkScale100kKeys(b *testing.B) {
 	}
 	b.Run("baseline", func(b *testing.B) { scale100kKeys(b, baseline) })
 	b.Run("head", func(b *testing.B) { scale100kKeys(b, buildKvmount(b)) })
+}
+
+// writeFsyncFloor creates dirs directories of files files each, holding
+// value, below base, all directories at once: each file created, written
+// and fsynced, then its directory fsynced. It is the floor a projection
+// of the same files on the same disk cannot beat (it writes no version
+// directory, link, manifest or record), and returns how long it took.
+func writeFsyncFloor(b *testing.B, base string, dirs, files int, value []byte) time.Duration {
+	b.Helper()
+	t0 := time.Now()
+	var g errgroup.Group
+	for d := range dirs {
+		g.Go(func() error {
+			dir := filepath.Join(base, fmt.Sprintf("d%04d", d))
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				return err
+			}
+			for k := range files {
+				f, err := os.OpenFile(filepath.Join(dir, fmt.Sprintf("key-%03d", k)), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+				if err != nil {
+					return err
+				}
+				_, err = f.Write(value)
+				if err == nil {
+					err = f.Sync()
+				}
+				if cerr := f.Close(); err == nil {
+					err = cerr
+				}
+				if err != nil {
+					return err
+				}
+			}
+			f, err := os.Open(dir)
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			return f.Sync()
+		})
+	}
+	if err := g.Wait(); err != nil {
+		b.Fatal(err)
+	}
+	return time.Since(t0)
 }
 
 func scale100kKeys(b *testing.B, bin string) {
@@ -634,11 +707,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	}
 	base := b.TempDir()
 	var cfg strings.Builder
-	admin := "[admin]\naddress = \"\"\n"
-	if !knowsAdmin(b, bin) {
-		admin = "" // a binary from before the admin endpoint
-	}
-	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s[sources.main]\n%s", filepath.Join(base, "state"), admin, store.source)
+	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s[sources.main]\n%s", filepath.Join(base, "state"), noAdmin(b, bin), store.source)
 	for m := range mounts {
 		fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"/scale/m%04d/\"\n", m, filepath.Join(base, "mnt", fmt.Sprintf("m%04d", m)), m)
 	}
@@ -672,6 +741,17 @@ func scale100kKeys(b *testing.B, bin string) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
+	flush := func() {
+		if err := exec.Command("sync").Run(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	flush()
+	floor := writeFsyncFloor(b, filepath.Join(base, "floor"), mounts, keys, []byte(value))
+	if err := os.RemoveAll(filepath.Join(base, "floor")); err != nil {
+		b.Fatal(err)
+	}
+	flush()
 	b.ResetTimer()
 	t0 := time.Now()
 	cmd := start()
@@ -682,6 +762,10 @@ func scale100kKeys(b *testing.B, bin string) {
 	time.Sleep(8 * time.Second)
 	rss := rssBytes(b, cmd.Process.Pid)
 	stop(cmd)
+	first, err := os.Readlink(filepath.Join(base, "mnt", "m0000", "..data"))
+	if err != nil {
+		b.Fatal(err)
+	}
 	t0 = time.Now()
 	cmd = start()
 	if err := store.put(fmt.Sprintf("/scale/m%04d/key-099", mounts-1), "after restart"); err != nil {
@@ -698,7 +782,12 @@ func scale100kKeys(b *testing.B, bin string) {
 	restart := time.Since(t0)
 	stop(cmd)
 	b.StopTimer()
+	if now, err := os.Readlink(filepath.Join(base, "mnt", "m0000", "..data")); err != nil || now != first {
+		b.Fatalf("the restart rewrote the unchanged mount m0000: ..data was %s, is %s (%v)", first, now, err)
+	}
 	b.ReportMetric(cold.Seconds(), "cold-start-s")
+	b.ReportMetric(floor.Seconds(), "floor-s")
+	b.ReportMetric(cold.Seconds()/floor.Seconds(), "cold/floor")
 	b.ReportMetric(restart.Seconds(), "restart-write-s")
 	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
