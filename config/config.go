@@ -457,9 +457,21 @@ func checkDir(dir string) error {
 }
 
 // checkMounts rejects duplicate names and dirs, nested mount dirs, and mount
-// dirs that overlap the state directory.
+// dirs that overlap the state directory. Each pair is reported once, on the
+// later mount. It looks up each dir's ancestors among the others' dirs, so
+// that 1,000 mounts cost 1,000 walks up a path rather than 500,000
+// comparisons.
 func checkMounts(mounts []*Section, cfg *Config) {
 	names := map[string]int{}
+	dirs := map[string]int{} // cleaned dir -> first mount with it
+	for i, m := range cfg.Mounts {
+		if checkDir(m.Dir) != nil {
+			continue // reported by the mount's own checks
+		}
+		if _, ok := dirs[filepath.Clean(m.Dir)]; !ok {
+			dirs[filepath.Clean(m.Dir)] = i
+		}
+	}
 	for i, m := range cfg.Mounts {
 		sec := mounts[i]
 		if j, dup := names[m.Name]; dup && m.Name != "" {
@@ -472,15 +484,19 @@ func checkMounts(mounts []*Section, cfg *Config) {
 		if within(m.Dir, cfg.StateDir) || within(cfg.StateDir, m.Dir) {
 			sec.Errorf("dir", "%q overlaps state_dir %q", m.Dir, cfg.StateDir)
 		}
-		for j, o := range cfg.Mounts[:i] {
-			if checkDir(o.Dir) != nil {
-				continue
+		clean := filepath.Clean(m.Dir)
+		if j := dirs[clean]; j != i {
+			sec.Errorf("dir", "%q is already the dir of mount[%d] (%s)", m.Dir, j, cfg.Mounts[j].Name)
+		}
+		for dir := filepath.Dir(clean); ; dir = filepath.Dir(dir) {
+			if j, ok := dirs[dir]; ok {
+				// m lies inside mount j's dir: reported on the later one.
+				later, earlier := max(i, j), min(i, j)
+				o := cfg.Mounts[earlier]
+				mounts[later].Errorf("dir", "%q and the dir of mount[%d] (%s), %q, are nested", cfg.Mounts[later].Dir, earlier, o.Name, o.Dir)
 			}
-			switch {
-			case o.Dir == m.Dir:
-				sec.Errorf("dir", "%q is already the dir of mount[%d] (%s)", m.Dir, j, o.Name)
-			case within(m.Dir, o.Dir) || within(o.Dir, m.Dir):
-				sec.Errorf("dir", "%q and the dir of mount[%d] (%s), %q, are nested", m.Dir, j, o.Name, o.Dir)
+			if dir == "/" {
+				break
 			}
 		}
 	}

@@ -185,6 +185,16 @@ name = "b"
 dir = "/srv/a/b"
 source = "s"
 `, want: []string{`k.toml:10: mount[1].dir: "/srv/a/b" and the dir of mount[0] (a), "/srv/a", are nested`}},
+		{name: "nested dirs, the parent later", toml: head + `
+[[mount]]
+name = "a"
+dir = "/srv/a/b/c"
+source = "s"
+[[mount]]
+name = "b"
+dir = "/srv/a"
+source = "s"
+`, want: []string{`k.toml:10: mount[1].dir: "/srv/a" and the dir of mount[0] (a), "/srv/a/b/c", are nested`}},
 		{name: "unknown source", toml: head + "[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"nope\"\n", want: []string{`k.toml:6: mount[0].source: unknown source "nope"`}},
 		{name: "relative dir", toml: head + "[[mount]]\nname = \"a\"\ndir = \"srv/a\"\nsource = \"s\"\n", want: []string{`k.toml:5: mount[0].dir: "srv/a" is not an absolute path`}},
 		{name: "system roots", toml: head + `
