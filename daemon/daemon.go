@@ -84,7 +84,6 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 	d := &daemon{opts: opts, cfg: cfg, level: new(slog.LevelVar), sources: map[string]instance{}}
 	d.level.Set(cfg.LogLevel)
 	d.log = NewLogger(opts.LogOutput, cfg.LogFormat, d.level)
-	logWarnings(d.log, cfg)
 	if d.lock, err = lockStateDir(cfg.StateDir); err != nil {
 		return nil, err
 	}
@@ -117,6 +116,9 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.close()
 		return nil, err
 	}
+	// The sources' first reads are under way: the host's audit (a walk up
+	// every mount's path) runs while they are.
+	logWarnings(d.log, cfg)
 	d.rec = reconcile.New(d.pop, owned, trigger, d.log, reconcile.Options{
 		ResyncInterval: cfg.ResyncInterval,
 		Abort:          opts.Abort,

@@ -296,16 +296,27 @@ func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File, syncs *syn
 
 // syncBatch fsyncs the files of a version being built syncBatchSize at a
 // time, concurrently, and closes them. Issued one after the other, each
-// fsync waits for a journal commit of its own; issued together, they share
-// commits (measured on ext4 with 100,000 files: a cold start of 1,000
-// mounts 1.5 to 2.5 times faster). The batch bounds the open files.
+// fsync waits for a journal commit (or, on ext4 without a journal, a write
+// of the inode's block) of its own; issued together, they share them. The
+// batch bounds the open files, and the threads blocked in fsync.
 type syncBatch struct {
 	files []*os.File
 	err   error
 }
 
-// syncBatchSize is how many files a batch fsyncs at once.
-const syncBatchSize = 32
+// syncBatchSize is how many files a batch fsyncs at once. Measured on ext4
+// with 1,000 new mounts of 100 files (BENCHMARKS.md, "Restart at scale"):
+// how many mounts are written at once matters, the batch hardly (4, 8 and 32
+// within the noise at 512 to 1,000 mounts at once); 8 lets 512 mounts be
+// written at once with 4,096 threads in fsync at most.
+const syncBatchSize = 8
+
+// MaxOpenFiles is how many files one write of a flat payload (no
+// subdirectories) holds open at most, beside the writer's own handle on its
+// mount directory: a batch of files being fsynced, the new and the current
+// version's directories, and a directory being fsynced. A payload with
+// subdirectories holds two more for each.
+const MaxOpenFiles = syncBatchSize + 3
 
 // add queues f, fsyncing the batch when it is full. It returns the first
 // error of a fsync or close so far.

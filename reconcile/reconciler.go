@@ -8,6 +8,8 @@ import (
 	"slices"
 	"time"
 
+	"golang.org/x/sync/errgroup"
+
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/projector"
@@ -94,6 +96,12 @@ type Reconciler struct {
 	running  map[string]opClass
 	verifyAt time.Time
 	digests  map[string]digestAt
+	// openFiles is the soft limit on open files; startedAt is when Run
+	// began, and readsDone is set once nothing waits any longer for the
+	// sources' first reads (schedule.go).
+	openFiles uint64
+	startedAt time.Time
+	readsDone bool
 }
 
 type reloadRequest struct {
@@ -129,21 +137,32 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 	pop.observer = opts.Observer
 	r := &Reconciler{
 		log: log, pop: pop, owned: owned, trigger: trigger, opts: opts,
-		asw:      NewActualState(),
-		runtimes: map[string]*runtime{},
-		results:  make(chan result),
-		reloads:  make(chan reloadRequest),
-		pings:    make(chan chan struct{}),
-		running:  map[string]opClass{},
-		digests:  map[string]digestAt{},
+		asw:       NewActualState(),
+		runtimes:  map[string]*runtime{},
+		results:   make(chan result),
+		reloads:   make(chan reloadRequest),
+		pings:     make(chan chan struct{}),
+		running:   map[string]opClass{},
+		digests:   map[string]digestAt{},
+		openFiles: openFileLimit(),
 	}
+	var peeks errgroup.Group
+	peeks.SetLimit(peekers)
 	for name, rec := range owned.All() {
-		digest, _ := projector.PeekDigest(rec.Dir)
-		r.asw.Mounts[name] = &ActualMount{Dir: rec.Dir, Medium: rec.Medium, DiskDigest: digest}
+		a := &ActualMount{Dir: rec.Dir, Medium: rec.Medium}
+		r.asw.Mounts[name] = a
+		peeks.Go(func() error {
+			a.DiskDigest, _ = projector.PeekDigest(rec.Dir)
+			return nil
+		})
 	}
+	peeks.Wait()
 	r.opCtx, r.opCancel = context.WithCancel(context.Background())
 	return r
 }
+
+// peekers is how many manifests' heads New reads at once.
+const peekers = 8
 
 // Reload applies cfg between two passes of the loop: sources and mounts
 // together, then the resync interval. It returns once the loop has taken
@@ -190,6 +209,7 @@ func (r *Reconciler) Ping(ctx context.Context) error {
 // half-built version is left behind — closes the mounts' writers and
 // returns nil.
 func (r *Reconciler) Run(ctx context.Context) error {
+	r.startedAt = time.Now()
 	resync := time.NewTicker(r.opts.ResyncInterval)
 	defer resync.Stop()
 	defer r.shutdown()
