@@ -627,7 +627,9 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     is projected, beside floor-s, a plain program creating the same
 //     files (1,000 directories at once, each file written and fsynced,
 //     then its directory fsynced) in the same temporary directory in the
-//     same run, and their ratio cold/floor;
+//     same run, and their ratio cold/floor; and beside floor-layout-s, the
+//     same program creating the atomic writer's layout as well (version
+//     directory, ..data and a symlink per file), and cold/floor-layout;
 //   - rss-MiB and rss-B/key: resident memory at rest;
 //   - restart-write-s: from a restart (SIGTERM, start again) until a
 //     write to the last mount, made right after the start, is visible;
@@ -652,20 +654,35 @@ func BenchmarkScale100kKeys(b *testing.B) {
 // writeFsyncFloor creates dirs directories of files files each, holding
 // value, below base, all directories at once: each file created, written
 // and fsynced, then its directory fsynced. It is the floor a projection
-// of the same files on the same disk cannot beat (it writes no version
-// directory, link, manifest or record), and returns how long it took.
-func writeFsyncFloor(b *testing.B, base string, dirs, files int, value []byte) time.Duration {
+// of the same files on the same disk cannot beat, and returns how long it
+// took. With layout set it also creates the entries of the atomic writer's
+// layout, as plainly: the files go into a subdirectory (fsynced), and the
+// directory gets ..data, a symlink to it, and one symlink per file through
+// ..data, then is fsynced; it still writes no manifest and no record.
+func writeFsyncFloor(b *testing.B, base string, dirs, files int, value []byte, layout bool) time.Duration {
 	b.Helper()
+	syncDir := func(dir string) error {
+		f, err := os.Open(dir)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		return f.Sync()
+	}
 	t0 := time.Now()
 	var g errgroup.Group
 	for d := range dirs {
 		g.Go(func() error {
 			dir := filepath.Join(base, fmt.Sprintf("d%04d", d))
-			if err := os.MkdirAll(dir, 0o755); err != nil {
+			data := dir
+			if layout {
+				data = filepath.Join(dir, "..v1")
+			}
+			if err := os.MkdirAll(data, 0o755); err != nil {
 				return err
 			}
 			for k := range files {
-				f, err := os.OpenFile(filepath.Join(dir, fmt.Sprintf("key-%03d", k)), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+				f, err := os.OpenFile(filepath.Join(data, fmt.Sprintf("key-%03d", k)), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 				if err != nil {
 					return err
 				}
@@ -680,12 +697,21 @@ func writeFsyncFloor(b *testing.B, base string, dirs, files int, value []byte) t
 					return err
 				}
 			}
-			f, err := os.Open(dir)
-			if err != nil {
-				return err
+			if layout {
+				if err := syncDir(data); err != nil {
+					return err
+				}
+				if err := os.Symlink("..v1", filepath.Join(dir, "..data")); err != nil {
+					return err
+				}
+				for k := range files {
+					name := fmt.Sprintf("key-%03d", k)
+					if err := os.Symlink(filepath.Join("..data", name), filepath.Join(dir, name)); err != nil {
+						return err
+					}
+				}
 			}
-			defer f.Close()
-			return f.Sync()
+			return syncDir(dir)
 		})
 	}
 	if err := g.Wait(); err != nil {
@@ -746,11 +772,15 @@ func scale100kKeys(b *testing.B, bin string) {
 			b.Fatal(err)
 		}
 	}
-	flush()
-	floor := writeFsyncFloor(b, filepath.Join(base, "floor"), mounts, keys, []byte(value))
-	if err := os.RemoveAll(filepath.Join(base, "floor")); err != nil {
-		b.Fatal(err)
+	floorOf := func(layout bool) time.Duration {
+		flush()
+		took := writeFsyncFloor(b, filepath.Join(base, "floor"), mounts, keys, []byte(value), layout)
+		if err := os.RemoveAll(filepath.Join(base, "floor")); err != nil {
+			b.Fatal(err)
+		}
+		return took
 	}
+	floor, floorLayout := floorOf(false), floorOf(true)
 	flush()
 	b.ResetTimer()
 	t0 := time.Now()
@@ -788,6 +818,8 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(cold.Seconds(), "cold-start-s")
 	b.ReportMetric(floor.Seconds(), "floor-s")
 	b.ReportMetric(cold.Seconds()/floor.Seconds(), "cold/floor")
+	b.ReportMetric(floorLayout.Seconds(), "floor-layout-s")
+	b.ReportMetric(cold.Seconds()/floorLayout.Seconds(), "cold/floor-layout")
 	b.ReportMetric(restart.Seconds(), "restart-write-s")
 	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
