@@ -306,8 +306,8 @@ type syncBatch struct {
 
 // syncBatchSize is how many files a batch fsyncs at once. Measured on ext4
 // with 1,000 new mounts of 100 files (BENCHMARKS.md, "Restart at scale"):
-// how many mounts are written at once matters, the batch hardly (4, 8 and 32
-// within the noise at 512 to 1,000 mounts at once); 8 lets 512 mounts be
+// how many mounts are written at once matters, the batch hardly (1, 4, 8
+// and 32 within the noise with 1,000 mounts at once); 8 lets 512 mounts be
 // written at once with 4,096 threads in fsync at most.
 const syncBatchSize = 8
 
