@@ -102,6 +102,8 @@ type Reconciler struct {
 	openFiles uint64
 	startedAt time.Time
 	readsDone bool
+	// procs raises GOMAXPROCS while setups run in bulk (procs.go).
+	procs *procs
 }
 
 type reloadRequest struct {
@@ -145,6 +147,7 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 		running:   map[string]opClass{},
 		digests:   map[string]digestAt{},
 		openFiles: openFileLimit(),
+		procs:     newProcs(log),
 	}
 	var peeks errgroup.Group
 	peeks.SetLimit(peekers)

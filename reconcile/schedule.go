@@ -209,6 +209,7 @@ func (r *Reconciler) schedule(ops []Op, dsw DesiredState, now time.Time) (start 
 		r.running[op.Mount] = c
 		start = append(start, op)
 	}
+	r.procs.fit(running[classSetup])
 	return start, verifyAt
 }
 

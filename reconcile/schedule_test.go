@@ -17,7 +17,7 @@ func scheduler() *Reconciler {
 	return &Reconciler{
 		log: slog.New(slog.DiscardHandler), asw: NewActualState(),
 		running: map[string]opClass{}, digests: map[string]digestAt{},
-		openFiles: 1 << 20,
+		openFiles: 1 << 20, procs: &procs{fixed: true},
 	}
 }
 

@@ -1,0 +1,93 @@
+package reconcile
+
+import (
+	"log/slog"
+	goruntime "runtime"
+	"testing"
+)
+
+// fakeProcs returns procs whose GOMAXPROCS starts at n and is only
+// recorded, and a pointer to that setting.
+func fakeProcs(n int) (*procs, *int) {
+	current := n
+	return &procs{
+		log: slog.New(slog.DiscardHandler),
+		set: func(m int) int {
+			was := current
+			if m > 0 {
+				current = m
+			}
+			return was
+		},
+		restore: func() { current = n },
+	}, &current
+}
+
+// TestProcsFit raises GOMAXPROCS only for more than MaxOperations setups,
+// keeps it raised while any setup runs and restores the default once none
+// does.
+func TestProcsFit(t *testing.T) {
+	p, current := fakeProcs(2)
+	steps := []struct {
+		setups int
+		want   int
+	}{
+		{0, 2},
+		{MaxOperations, 2}, // a few setups: not bulk
+		{MaxOperations + 1, BulkProcs},
+		{512, BulkProcs},
+		{1, BulkProcs}, // the last ones of the bulk
+		{0, 2},
+		{MaxOperations, 2},
+	}
+	for i, s := range steps {
+		p.fit(s.setups)
+		if *current != s.want {
+			t.Fatalf("step %d (%d setups): GOMAXPROCS %d, want %d", i, s.setups, *current, s.want)
+		}
+	}
+}
+
+// TestProcsFitLeavesAlone changes nothing when GOMAXPROCS comes from the
+// environment or is already at least BulkProcs (a large host).
+func TestProcsFitLeavesAlone(t *testing.T) {
+	fixed, current := fakeProcs(2)
+	fixed.fixed = true
+	for _, setups := range []int{512, 0} {
+		fixed.fit(setups)
+		if *current != 2 {
+			t.Fatalf("GOMAXPROCS from the environment changed to %d", *current)
+		}
+	}
+	large, current := fakeProcs(64)
+	for _, setups := range []int{512, 0} {
+		large.fit(setups)
+		if *current != 64 {
+			t.Fatalf("GOMAXPROCS 64 changed to %d", *current)
+		}
+	}
+}
+
+// TestProcsFitRuntime raises and restores the runtime's own setting.
+func TestProcsFitRuntime(t *testing.T) {
+	if goruntime.GOMAXPROCS(0) >= BulkProcs {
+		t.Fatalf("this test needs fewer than %d CPUs (GOMAXPROCS %d)", BulkProcs, goruntime.GOMAXPROCS(0))
+	}
+	p := newProcs(slog.New(slog.DiscardHandler))
+	p.fixed = false // whatever the test runner's environment says
+	before := goruntime.GOMAXPROCS(0)
+	defer goruntime.GOMAXPROCS(before)
+	p.fit(512)
+	if got := goruntime.GOMAXPROCS(0); got != BulkProcs {
+		t.Fatalf("GOMAXPROCS %d during bulk setups, want %d", got, BulkProcs)
+	}
+	p.fit(0)
+	goruntime.SetDefaultGOMAXPROCS()
+	want := goruntime.GOMAXPROCS(0)
+	goruntime.GOMAXPROCS(BulkProcs)
+	p.raised = true
+	p.fit(0)
+	if got := goruntime.GOMAXPROCS(0); got != want {
+		t.Fatalf("GOMAXPROCS %d after the bulk, want the default %d", got, want)
+	}
+}
