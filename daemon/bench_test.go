@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,6 +26,7 @@ import (
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/reconcile"
 )
 
 // switchWatcher reports each switch of a mount's ..data, through inotify,
@@ -202,13 +204,32 @@ var (
 	buildErr  error
 )
 
-// TestMain removes the binary the benchmarks built.
+// TestMain removes the binary the benchmarks built and the directories
+// they kept.
 func TestMain(m *testing.M) {
 	code := m.Run()
 	if binPath != "" {
 		os.RemoveAll(filepath.Dir(binPath))
 	}
+	for _, dir := range kept {
+		os.RemoveAll(dir)
+	}
 	os.Exit(code)
+}
+
+// kept are the directories keepUntilExit made, removed by TestMain.
+var kept []string
+
+// keepUntilExit returns a new temporary directory that is removed only when
+// the test binary exits, not when b ends (see BenchmarkScale100kKeys).
+func keepUntilExit(b *testing.B) string {
+	b.Helper()
+	dir, err := os.MkdirTemp("", "kvmount-bench-kept")
+	if err != nil {
+		b.Fatal(err)
+	}
+	kept = append(kept, dir)
+	return dir
 }
 
 // buildKvmount builds the kvmount binary once per benchmark run.
@@ -630,6 +651,9 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     same run, and their ratio cold/floor; and beside floor-layout-s, the
 //     same program creating the atomic writer's layout as well (version
 //     directory, ..data and a symlink per file), and cold/floor-layout;
+//   - floor-bulkprocs-s: the files-only floor again, with as many Ps
+//     (GOMAXPROCS) as kvmount gives bulk setups (reconcile.BulkProcs), and
+//     cold/floor-bulkprocs: how much of the gap is the Go scheduler's;
 //   - rss-MiB and rss-B/key: resident memory at rest;
 //   - restart-write-s: from a restart (SIGTERM, start again) until a
 //     write to the last mount, made right after the start, is visible;
@@ -637,6 +661,14 @@ func processConnections(b *testing.B, pid int, port int) int {
 //
 // b.N is ignored beyond the first iteration: it is one measurement (run
 // with -benchtime 1x).
+//
+// Nothing is deleted until the benchmark binary exits (keepUntilExit): on
+// ext4 without a journal, inodes deleted in the last 60 s (360 s while
+// their inode table block is dirty) are skipped when new ones are
+// allocated (fs/ext4/ialloc.c, recently_deleted), which made whichever
+// phase followed the removal of another's 100,000 files pay for it. Leave
+// six minutes after removing large trees from the same file system before
+// a run.
 //
 // With $KVMOUNT_BENCH_BASELINE set (see BenchmarkPutToFile), that binary
 // ("/baseline") and then this tree's ("/head") each run against an etcd of
@@ -731,7 +763,7 @@ func scale100kKeys(b *testing.B, bin string) {
 		}
 		store.seed(kv)
 	}
-	base := b.TempDir()
+	base := keepUntilExit(b)
 	var cfg strings.Builder
 	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s[sources.main]\n%s", filepath.Join(base, "state"), noAdmin(b, bin), store.source)
 	for m := range mounts {
@@ -772,15 +804,14 @@ func scale100kKeys(b *testing.B, bin string) {
 			b.Fatal(err)
 		}
 	}
-	floorOf := func(layout bool) time.Duration {
+	floorOf := func(name string, layout bool, procs int) time.Duration {
 		flush()
-		took := writeFsyncFloor(b, filepath.Join(base, "floor"), mounts, keys, []byte(value), layout)
-		if err := os.RemoveAll(filepath.Join(base, "floor")); err != nil {
-			b.Fatal(err)
-		}
-		return took
+		defer runtime.GOMAXPROCS(runtime.GOMAXPROCS(procs))
+		return writeFsyncFloor(b, filepath.Join(base, name), mounts, keys, []byte(value), layout)
 	}
-	floor, floorLayout := floorOf(false), floorOf(true)
+	floor := floorOf("floor", false, runtime.GOMAXPROCS(0))
+	floorLayout := floorOf("floor-layout", true, runtime.GOMAXPROCS(0))
+	floorProcs := floorOf("floor-bulkprocs", false, max(runtime.GOMAXPROCS(0), reconcile.BulkProcs))
 	flush()
 	b.ResetTimer()
 	t0 := time.Now()
@@ -820,6 +851,8 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(cold.Seconds()/floor.Seconds(), "cold/floor")
 	b.ReportMetric(floorLayout.Seconds(), "floor-layout-s")
 	b.ReportMetric(cold.Seconds()/floorLayout.Seconds(), "cold/floor-layout")
+	b.ReportMetric(floorProcs.Seconds(), "floor-bulkprocs-s")
+	b.ReportMetric(cold.Seconds()/floorProcs.Seconds(), "cold/floor-bulkprocs")
 	b.ReportMetric(restart.Seconds(), "restart-write-s")
 	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")

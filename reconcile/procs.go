@@ -4,6 +4,8 @@ import (
 	"log/slog"
 	"os"
 	goruntime "runtime"
+	"runtime/debug"
+	"sync"
 )
 
 // BulkProcs is the number of Go scheduler Ps (runtime.GOMAXPROCS) kvmount
@@ -17,27 +19,32 @@ import (
 // and hands it to another thread (golang/go#18236). With the default of one
 // P per CPU, 512 setups on two CPUs spend most of their time waiting for a P
 // rather than for the disk. Measured with 1,000 new mounts of 100 files on
-// two CPUs (BENCHMARKS.md, "Restart at scale"): a cold start took 22–27 s
-// with 2 Ps and 13–15 s with 32 (8 and 16 were in between, 64 and 128 no
-// better). CPU time does not grow: the threads wait for the disk either way.
+// two CPUs (BENCHMARKS.md, "Restart at scale"): a cold start took 17.0–22.6 s
+// with 2 Ps and 9.3–12.6 s with 32 in the benchmark; black-box, one run
+// each, 8, 16, 64 and 128 Ps did no better than 32. CPU time does not grow:
+// the threads wait for the disk either way.
 //
 // Once no setup runs, GOMAXPROCS returns to the runtime's default
-// (runtime.SetDefaultGOMAXPROCS). A GOMAXPROCS set in the environment is
-// the operator's: it is never changed.
+// (runtime.SetDefaultGOMAXPROCS) and the threads the bulk left are ended
+// (shedThreads). A GOMAXPROCS set in the environment is the operator's: it
+// is never changed.
 const BulkProcs = 32
 
 // procs raises GOMAXPROCS to BulkProcs for bulk setups and restores the
-// default afterwards.
+// default, and the number of threads, afterwards.
 type procs struct {
 	log *slog.Logger
 	// fixed: GOMAXPROCS comes from the environment and is left alone.
 	fixed bool
 	// raised: GOMAXPROCS is BulkProcs, set by fit.
 	raised bool
-	// set and restore are runtime.GOMAXPROCS and
-	// runtime.SetDefaultGOMAXPROCS; tests replace them.
+	// threads is how many threads the process had when raised.
+	threads int
+	// set, restore and shed are runtime.GOMAXPROCS,
+	// runtime.SetDefaultGOMAXPROCS and shedThreads; tests replace them.
 	set     func(n int) int
 	restore func()
+	shed    func(keep int)
 }
 
 func newProcs(log *slog.Logger) *procs {
@@ -46,17 +53,20 @@ func newProcs(log *slog.Logger) *procs {
 		fixed:   os.Getenv("GOMAXPROCS") != "",
 		set:     goruntime.GOMAXPROCS,
 		restore: goruntime.SetDefaultGOMAXPROCS,
+		shed:    func(keep int) { shedThreads(keep, log) },
 	}
 }
 
 // fit adjusts GOMAXPROCS to setups, the number of setups running: raised
 // to BulkProcs when more than MaxOperations run and the current setting is
-// lower, back to the default when none runs.
+// lower, back to the default when none runs, when the threads beyond those
+// the process had before are ended in the background.
 func (p *procs) fit(setups int) {
 	switch {
 	case p.fixed:
 	case !p.raised && setups > MaxOperations:
 		if was := p.set(0); was < BulkProcs {
+			p.threads = threadCount()
 			p.set(BulkProcs)
 			p.raised = true
 			p.log.Debug("setups in bulk: GOMAXPROCS raised", "setups", setups, "from", was, "to", BulkProcs)
@@ -64,6 +74,60 @@ func (p *procs) fit(setups int) {
 	case p.raised && setups == 0:
 		p.restore()
 		p.raised = false
+		go p.shed(p.threads)
 		p.log.Debug("bulk setups done: GOMAXPROCS back to the default", "gomaxprocs", p.set(0))
 	}
+}
+
+// threadCount returns how many threads the process has (the entries of
+// /proc/self/task), or 0 if that cannot be read.
+func threadCount() int {
+	entries, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		return 0
+	}
+	return len(entries)
+}
+
+// shedThreads ends the threads beyond keep that the process has, then
+// returns the memory they and the bulk freed to the system
+// (debug.FreeOSMemory).
+//
+// The runtime never ends an idle thread, and bulk setups leave a few
+// hundred behind: each with its stacks (tens of KiB), 9 MB of RSS at rest
+// in the 100,000-key benchmark. A goroutine that exits while locked to its
+// thread (runtime.LockOSThread) ends that thread instead: so shedThreads
+// parks one locked goroutine per thread to end — each takes an idle thread,
+// or a new one when none is left — and then lets them all exit, in up to
+// three rounds.
+func shedThreads(keep int, log *slog.Logger) {
+	from := threadCount()
+	if keep <= 0 {
+		return
+	}
+	// A parked goroutine's P goes to another thread, a new one when none
+	// is idle: a round can leave some behind, so up to three.
+	for range 3 {
+		n := threadCount() - keep
+		if n <= 0 {
+			break
+		}
+		var locked, exited sync.WaitGroup
+		release := make(chan struct{})
+		for range n {
+			locked.Add(1)
+			exited.Add(1)
+			go func() {
+				defer exited.Done()
+				goruntime.LockOSThread()
+				locked.Done()
+				<-release
+			}()
+		}
+		locked.Wait()
+		close(release)
+		exited.Wait()
+	}
+	debug.FreeOSMemory()
+	log.Debug("threads left by bulk setups ended", "threads", from, "now", threadCount())
 }

@@ -3,6 +3,7 @@ package reconcile
 import (
 	"log/slog"
 	goruntime "runtime"
+	"sync"
 	"testing"
 )
 
@@ -20,6 +21,7 @@ func fakeProcs(n int) (*procs, *int) {
 			return was
 		},
 		restore: func() { current = n },
+		shed:    func(int) {},
 	}, &current
 }
 
@@ -75,6 +77,7 @@ func TestProcsFitRuntime(t *testing.T) {
 	}
 	p := newProcs(slog.New(slog.DiscardHandler))
 	p.fixed = false // whatever the test runner's environment says
+	p.shed = func(int) {}
 	before := goruntime.GOMAXPROCS(0)
 	defer goruntime.GOMAXPROCS(before)
 	p.fit(512)
@@ -89,5 +92,40 @@ func TestProcsFitRuntime(t *testing.T) {
 	p.fit(0)
 	if got := goruntime.GOMAXPROCS(0); got != want {
 		t.Fatalf("GOMAXPROCS %d after the bulk, want the default %d", got, want)
+	}
+}
+
+// TestShedThreads makes the process hold 40 more threads, as bulk setups
+// leave them (idle, after a burst of blocking system calls), and ends them.
+func TestShedThreads(t *testing.T) {
+	before := threadCount()
+	if before == 0 {
+		t.Fatal("cannot count threads in /proc/self/task")
+	}
+	var busy, parked sync.WaitGroup
+	release := make(chan struct{})
+	for range 40 {
+		busy.Add(1)
+		parked.Add(1)
+		go func() {
+			defer parked.Done()
+			goruntime.LockOSThread() // a thread of its own while parked
+			busy.Done()
+			<-release
+			goruntime.UnlockOSThread() // the thread stays, idle
+		}()
+	}
+	busy.Wait()
+	close(release)
+	parked.Wait()
+	peak := threadCount()
+	if peak < 40 {
+		t.Fatalf("%d threads after parking 40 goroutines on threads of their own", peak)
+	}
+	shedThreads(before, slog.New(slog.DiscardHandler))
+	// A few threads come and go with the runtime's and the race
+	// detector's own work.
+	if got := threadCount(); got > before+5 {
+		t.Fatalf("%d threads after shedding from %d down to %d", got, peak, before)
 	}
 }
