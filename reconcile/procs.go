@@ -59,8 +59,8 @@ func newProcs(log *slog.Logger) *procs {
 
 // fit adjusts GOMAXPROCS to setups, the number of setups running: raised
 // to BulkProcs when more than MaxOperations run and the current setting is
-// lower, back to the default when none runs, when the threads beyond those
-// the process had before are ended in the background.
+// lower; back to the default when none runs, and then the threads beyond
+// those the process had before are ended in the background.
 func (p *procs) fit(setups int) {
 	switch {
 	case p.fixed:
@@ -94,17 +94,17 @@ func threadCount() int {
 // (debug.FreeOSMemory).
 //
 // The runtime never ends an idle thread, and bulk setups leave a few
-// hundred behind: each with its stacks (tens of KiB), 9 MB of RSS at rest
-// in the 100,000-key benchmark. A goroutine that exits while locked to its
+// hundred behind, each with its stacks (tens of KiB): about 9 MB of RSS at
+// rest with 100,000 keys (black-box, BENCHMARKS.md). A goroutine that exits while locked to its
 // thread (runtime.LockOSThread) ends that thread instead: so shedThreads
 // parks one locked goroutine per thread to end — each takes an idle thread,
 // or a new one when none is left — and then lets them all exit, in up to
 // three rounds.
 func shedThreads(keep int, log *slog.Logger) {
-	from := threadCount()
 	if keep <= 0 {
 		return
 	}
+	from := threadCount()
 	// A parked goroutine's P goes to another thread, a new one when none
 	// is idle: a round can leave some behind, so up to three.
 	for range 3 {
