@@ -21,10 +21,15 @@ import (
 // directory that was replaced and shows a check command its candidate
 // through a mount namespace the replacement cannot reach — but the mount
 // stops following its source while it is replaced.
+//
+// Each directory the paths share is inspected once (fsutil.Auditor): with
+// 1,000 mounts under one parent, walking every path on its own took
+// 230–440 ms of a restart's first second.
 func Audit(cfg *config.Config) []string {
 	var out []string
+	var auditor fsutil.Auditor
 	add := func(what, path string) {
-		exposed, err := fsutil.Exposures(path)
+		exposed, err := auditor.Exposures(path)
 		if errors.Is(err, fsutil.ErrSymlink) {
 			out = append(out, fmt.Sprintf("%s: %v; kvmount will refuse it", what, err))
 			return

@@ -307,3 +307,53 @@ func TestExposures(t *testing.T) {
 		t.Errorf("Exposures(through a symlink) = %v; want ErrSymlink", err)
 	}
 }
+
+// TestAuditorSharesDirectories checks that an Auditor, which inspects each
+// directory once for many paths, finds what a walk of each path on its own
+// finds: in a sticky directory whose entries belong to root, to a real
+// unprivileged user, or do not exist yet, the verdict depends on the entry
+// and not only on the directory.
+func TestAuditorSharesDirectories(t *testing.T) {
+	u := roottest.NewUser(t)
+	base := roottest.TempDir(t)
+	srv := filepath.Join(base, "srv")
+	for _, d := range []string{"root/etc", "user/etc", "open/etc"} {
+		if err := os.MkdirAll(filepath.Join(srv, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := unix.Chmod(srv, 0o1777); err != nil {
+		t.Fatal(err)
+	}
+	u.Chown(t, filepath.Join(srv, "user"))
+	if err := unix.Chmod(filepath.Join(srv, "open"), 0o777); err != nil {
+		t.Fatal(err)
+	}
+	paths := []string{
+		filepath.Join(srv, "root", "etc"),
+		filepath.Join(srv, "user", "etc"),
+		filepath.Join(srv, "missing", "etc"),
+		filepath.Join(srv, "open", "etc"),
+		filepath.Join(srv, "root", "etc"),
+	}
+	want := []int{0, 2, 1, 1, 0} // exposures each path has on its own
+	var a Auditor
+	for i, p := range paths {
+		alone, err := Exposures(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		shared, err := a.Exposures(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(shared) != fmt.Sprint(alone) || len(alone) != want[i] {
+			t.Errorf("%s: Auditor found %v, a walk of its own %v; want %d exposures", p, shared, alone, want[i])
+		}
+	}
+	// Inspected once each: srv's ancestors, srv, and the three entries of
+	// srv that exist.
+	if want := strings.Count(srv, "/") + 4; len(a.dirs) != want {
+		t.Errorf("the Auditor inspected %d directories; want %d", len(a.dirs), want)
+	}
+}
