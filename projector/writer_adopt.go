@@ -4,7 +4,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"path"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -32,6 +34,8 @@ type Adoption struct {
 	// version, a torn manifest), or ErrDrift when it did not match the
 	// disk.
 	ManifestErr error
+	// Removed names the entries AdoptOwned removed, sorted.
+	Removed []string
 }
 
 // Adopt inspects the mount directory and takes over what a previous run
@@ -42,23 +46,51 @@ type Adoption struct {
 // fstat per file, no byte read), else by reading every file. An unreadable
 // version is no error: the next Write rewrites everything.
 func (w *AtomicWriter) Adopt() (Adoption, error) {
-	entries, err := w.readDir(".")
+	entries, err := w.list()
 	if err != nil {
 		return Adoption{}, err
 	}
+	return w.adopt(entries)
+}
+
+// AdoptOwned is Adopt for a mount directory kvmount owns: it first
+// removes every entry the atomic writer would not have made (a file added
+// by hand, a visible name replaced by a regular file: drift there) and
+// names them, sorted, in Adoption.Removed. Entries are removed through the
+// writer's os.Root, so that a planted symlink is removed itself and never
+// followed. The directory is listed once for both steps.
+func (w *AtomicWriter) AdoptOwned() (Adoption, error) {
+	entries, err := w.list()
+	if err != nil {
+		return Adoption{}, err
+	}
+	kept, removed, err := w.removeStrays(entries)
+	if err != nil {
+		return Adoption{Removed: removed}, err
+	}
+	ad, err := w.adopt(kept)
+	ad.Removed = removed
+	return ad, err
+}
+
+// adopt is Adopt over entries, the mount directory's.
+func (w *AtomicWriter) adopt(entries []mountEntry) (Adoption, error) {
 	var foreign []string
 	visible := map[string]bool{}
+	current := ""
 	for _, e := range entries {
-		name := e.Name()
 		switch {
-		case name == DataDirName || name == dataTmpName || isVersionName(name):
-			if !w.isWritersEntry(e) {
-				foreign = append(foreign, name)
+		case e.name == DataDirName || e.name == dataTmpName || isVersionName(e.name):
+			if !e.isWriters() {
+				foreign = append(foreign, e.name)
 			}
-		case strings.HasPrefix(name, "..") || e.Type()&fs.ModeSymlink == 0 || !w.isVisibleLink(name):
-			foreign = append(foreign, name)
+			if e.name == DataDirName && isVersionName(e.target) {
+				current = e.target
+			}
+		case !e.isVisibleLink():
+			foreign = append(foreign, e.name)
 		default:
-			visible[name] = true
+			visible[e.name] = true
 		}
 	}
 	if len(foreign) > 0 {
@@ -66,10 +98,6 @@ func (w *AtomicWriter) Adopt() (Adoption, error) {
 			foreign = append(foreign[:5], "...")
 		}
 		return Adoption{}, fmt.Errorf("atomic writer: %s: %w: %s", w.dir, ErrForeignContent, strings.Join(foreign, ", "))
-	}
-	current, _ := w.root.Readlink(DataDirName)
-	if !isVersionName(current) {
-		current = ""
 	}
 	if err := w.removeLeftoversOf(entries, current); err != nil {
 		return Adoption{}, err
@@ -127,45 +155,24 @@ func (w *AtomicWriter) adoptManifest(name string) (*version, error) {
 	return &version{name: name, manifest: m}, nil
 }
 
-// RemoveStrays removes every entry of the mount directory that the atomic
-// writer would not have made — a file added by hand, a visible name
-// replaced by a regular file — and returns their names, sorted. Only for a
-// mount directory kvmount owns: there, such entries are drift. Entries are
-// removed through the writer's os.Root, so a planted symlink is removed
-// itself, never followed.
-func (w *AtomicWriter) RemoveStrays() ([]string, error) {
-	entries, err := w.readDir(".")
-	if err != nil {
-		return nil, err
-	}
-	var removed []string
+// removeStrays removes the entries that are not the writer's
+// (mountEntry.isWriters) and returns those kept and the names removed, in
+// the order of entries.
+func (w *AtomicWriter) removeStrays(entries []mountEntry) (kept []mountEntry, removed []string, err error) {
 	for _, e := range entries {
-		if name := e.Name(); !w.isWritersEntry(e) {
-			if err := w.root.RemoveAll(name); err != nil {
-				return removed, fmt.Errorf("atomic writer: remove stray entry: %w", err)
-			}
-			removed = append(removed, name)
+		if e.isWriters() {
+			kept = append(kept, e)
+			continue
 		}
+		if err := w.root.RemoveAll(e.name); err != nil {
+			return nil, removed, fmt.Errorf("atomic writer: remove stray entry: %w", err)
+		}
+		removed = append(removed, e.name)
 	}
 	if len(removed) > 0 {
 		w.visible = nil
 	}
-	return removed, nil
-}
-
-// isWritersEntry reports whether the entry e of the mount directory has a
-// name and type the atomic writer makes.
-func (w *AtomicWriter) isWritersEntry(e fs.DirEntry) bool {
-	name := e.Name()
-	switch {
-	case name == DataDirName || name == dataTmpName:
-		return e.Type()&fs.ModeSymlink != 0
-	case isVersionName(name):
-		return e.IsDir()
-	case strings.HasPrefix(name, ".."):
-		return false
-	}
-	return w.isVisibleLink(name)
+	return kept, removed, nil
 }
 
 // dirsMatch reports whether the version directory name and every
@@ -251,19 +258,19 @@ func (w *AtomicWriter) verify() error {
 		return err
 	}
 	want := topLevel(w.current.payload)
-	entries, err := w.readDir(".")
+	entries, err := w.list()
 	if err != nil {
 		return err
 	}
 	for _, e := range entries {
-		name := e.Name()
+		name := e.name
 		if name == DataDirName || name == w.current.name || w.isRetired(name) {
 			continue
 		}
 		if !want[name] {
 			return fmt.Errorf("unexpected entry %s", name)
 		}
-		if !w.isVisibleLink(name) {
+		if !e.isVisibleLink() {
 			return fmt.Errorf("%s is not a symlink to %s/%s", name, DataDirName, name)
 		}
 		delete(want, name)
@@ -363,20 +370,20 @@ func (w *AtomicWriter) sameDir() error {
 // ..data_tmp and every version directory. Foreign entries are left alone.
 // The mount directory itself stays; the caller removes it if it made it.
 func (w *AtomicWriter) Teardown() error {
-	entries, err := w.readDir(".")
+	entries, err := w.list()
 	if err != nil {
 		return err
 	}
 	var errs []error
 	for _, e := range entries {
-		name := e.Name()
+		name := e.name
 		var err error
 		switch {
 		case name == DataDirName || name == dataTmpName:
 			err = w.root.Remove(name)
 		case isVersionName(name):
 			err = w.root.RemoveAll(name)
-		case w.isVisibleLink(name):
+		case e.isVisibleLink():
 			err = w.root.Remove(name)
 		}
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -393,14 +400,14 @@ func (w *AtomicWriter) Teardown() error {
 // scanVisible returns the entries of the mount directory that are the
 // writer's visible symlinks.
 func (w *AtomicWriter) scanVisible() (map[string]bool, error) {
-	entries, err := w.readDir(".")
+	entries, err := w.list()
 	if err != nil {
 		return nil, err
 	}
 	found := map[string]bool{}
 	for _, e := range entries {
-		if name := e.Name(); !strings.HasPrefix(name, "..") && e.Type()&fs.ModeSymlink != 0 && w.isVisibleLink(name) {
-			found[name] = true
+		if e.isVisibleLink() {
+			found[e.name] = true
 		}
 	}
 	return found, nil
@@ -409,7 +416,7 @@ func (w *AtomicWriter) scanVisible() (map[string]bool, error) {
 // removeLeftovers removes ..data_tmp and every version directory other than
 // keep: what a crash or an earlier write left behind.
 func (w *AtomicWriter) removeLeftovers(keep string) error {
-	entries, err := w.readDir(".")
+	entries, err := w.list()
 	if err != nil {
 		return err
 	}
@@ -417,9 +424,9 @@ func (w *AtomicWriter) removeLeftovers(keep string) error {
 }
 
 // removeLeftoversOf is removeLeftovers over entries, the mount directory's.
-func (w *AtomicWriter) removeLeftoversOf(entries []fs.DirEntry, keep string) error {
+func (w *AtomicWriter) removeLeftoversOf(entries []mountEntry, keep string) error {
 	for _, e := range entries {
-		name := e.Name()
+		name := e.name
 		var err error
 		switch {
 		case name == dataTmpName:
@@ -479,10 +486,72 @@ func (w *AtomicWriter) isVisibleLink(name string) bool {
 	return err == nil && target == path.Join(DataDirName, name)
 }
 
-func (w *AtomicWriter) readDir(name string) ([]fs.DirEntry, error) {
-	entries, err := fs.ReadDir(w.root.FS(), name)
+// A mountEntry is an entry of the mount directory as list found it.
+type mountEntry struct {
+	name string
+	// typ is the entry's type bits (fs.ModeType).
+	typ fs.FileMode
+	// target is a symlink's target, "" for anything else.
+	target string
+}
+
+// isVisibleLink reports whether e is a symlink to ..data/<its name>, as
+// the writer makes them.
+func (e mountEntry) isVisibleLink() bool {
+	return !strings.HasPrefix(e.name, "..") && e.typ&fs.ModeSymlink != 0 && e.target == path.Join(DataDirName, e.name)
+}
+
+// isWriters reports whether e has a name and type the atomic writer
+// makes: ..data and ..data_tmp as symlinks, version directories, and
+// visible symlinks.
+func (e mountEntry) isWriters() bool {
+	switch {
+	case e.name == DataDirName || e.name == dataTmpName:
+		return e.typ&fs.ModeSymlink != 0
+	case isVersionName(e.name):
+		return e.typ.IsDir()
+	}
+	return e.isVisibleLink()
+}
+
+// list returns the entries of the mount directory, sorted by name, with
+// their types and their symlinks' targets, all read relative to a handle
+// on the directory: the types as the directory gives them (getdents'
+// d_type, or an fstatat relative to the handle where the file system gives
+// none), the targets with readlinkat. os.Root's ReadDir stats every entry,
+// and its Readlink resolves each name anew: at a restart with 1,000 mounts
+// of 100 files, listing cost 1.25 s of CPU that way (BENCHMARKS.md,
+// "Restart at scale").
+func (w *AtomicWriter) list() ([]mountEntry, error) {
+	f, err := w.root.Open(".")
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
+	// A handle opened through an os.Root stats every entry it lists; a
+	// duplicate of it is a plain handle on the same directory.
+	fd, err := unix.FcntlInt(f.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	f.Close()
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: list %s: %w", w.dir, err)
+	}
+	d := os.NewFile(uintptr(fd), w.dir)
+	defer d.Close()
+	des, err := d.ReadDir(-1)
+	if err != nil {
+		return nil, fmt.Errorf("atomic writer: list %s: %w", w.dir, err)
+	}
+	entries := make([]mountEntry, 0, len(des))
+	buf := make([]byte, unix.PathMax)
+	for _, de := range des {
+		// Only the name and type: de.Info would stat the entry by path.
+		e := mountEntry{name: de.Name(), typ: de.Type()}
+		if e.typ&fs.ModeSymlink != 0 {
+			if n, err := unix.Readlinkat(fd, e.name, buf); err == nil {
+				e.target = string(buf[:n])
+			}
+		}
+		entries = append(entries, e)
+	}
+	slices.SortFunc(entries, func(a, b mountEntry) int { return strings.Compare(a.name, b.name) })
 	return entries, nil
 }

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -265,9 +266,10 @@ func TestVisibleReadersNeverSeeENOENT(t *testing.T) {
 	}
 }
 
-// TestRemoveStrays: entries the writer did not make are removed (a planted
-// symlink itself, never what it points at); the writer's own stay.
-func TestRemoveStrays(t *testing.T) {
+// TestAdoptOwnedRemovesStrays: entries the writer did not make are removed
+// by AdoptOwned (a planted symlink itself, never what it points at); the
+// writer's own stay, and the version is adopted from its manifest.
+func TestAdoptOwnedRemovesStrays(t *testing.T) {
 	base := t.TempDir()
 	dir := filepath.Join(base, "mnt")
 	outside := filepath.Join(base, "outside")
@@ -298,15 +300,15 @@ func TestRemoveStrays(t *testing.T) {
 	if err := w.Verify(); !errors.Is(err, ErrDrift) {
 		t.Fatalf("Verify = %v; want ErrDrift", err)
 	}
-	removed, err := w.RemoveStrays()
+	ad, err := w.AdoptOwned()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("AdoptOwned: %v", err)
 	}
-	if want := []string{"..hidden", "planted", "stray.txt", "straydir"}; !slices.Equal(removed, want) {
-		t.Errorf("removed %v; want %v", removed, want)
+	if want := []string{"..hidden", "planted", "stray.txt", "straydir"}; !slices.Equal(ad.Removed, want) {
+		t.Errorf("removed %v; want %v", ad.Removed, want)
 	}
-	if _, err := w.Adopt(); err != nil {
-		t.Fatalf("Adopt after RemoveStrays: %v", err)
+	if ad.Version == "" || !ad.FromManifest {
+		t.Errorf("AdoptOwned = %+v; want the version adopted from its manifest", ad)
 	}
 	checkMount(t, dir, want)
 	if _, err := os.Stat(filepath.Join(outside, "keep")); err != nil {
@@ -365,4 +367,76 @@ func TestSymlinkedMountDirIsRefused(t *testing.T) {
 	if _, err := OpenAtomicWriter(link, WriterOptions{DirUID: -1, DirGID: -1}); !errors.Is(err, fsutil.ErrNotDir) {
 		t.Errorf("OpenAtomicWriter(symlink) = %v; want fsutil.ErrNotDir", err)
 	}
+}
+
+// TestListReadsRelativeToTheDirectory: the listing adoption relies on
+// gives each entry's type and each symlink's target without leaving a
+// handle open, and reads them in the directory the writer holds even
+// after its path was moved away and replaced.
+func TestListReadsRelativeToTheDirectory(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "mnt")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	w := newWriter(t, dir)
+	if _, err := w.Write(Payload{"a": file("a", 0o644), "d/x": file("x", 0o644)}); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/etc", filepath.Join(dir, "planted")); err != nil {
+		t.Fatal(err)
+	}
+	// The writer's directory moves; another takes its path.
+	if err := os.Rename(dir, filepath.Join(base, "moved")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fds := func() int {
+		entries, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(entries)
+	}
+	before := fds()
+	var got []mountEntry
+	for range 50 {
+		var err error
+		if got, err = w.list(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if after := fds(); after > before {
+		t.Errorf("50 listings left %d handles open", after-before)
+	}
+	var summary []string
+	for _, e := range got {
+		switch {
+		case isVersionName(e.name):
+			summary = append(summary, fmt.Sprintf("version dir=%v", e.typ.IsDir()))
+		default:
+			summary = append(summary, fmt.Sprintf("%s visible=%v writers=%v target=%s", e.name, e.isVisibleLink(), e.isWriters(), strings.TrimPrefix(e.target, "..2")))
+		}
+	}
+	want := []string{
+		"version dir=true",
+		"..data visible=false writers=true target=" + strings.TrimPrefix(mustReadlink(t, filepath.Join(base, "moved", DataDirName)), "..2"),
+		"a visible=true writers=true target=..data/a",
+		"d visible=true writers=true target=..data/d",
+		"planted visible=false writers=false target=/etc",
+	}
+	if !slices.Equal(summary, want) {
+		t.Errorf("list found\n%s\nwant\n%s", strings.Join(summary, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+func mustReadlink(t *testing.T, name string) string {
+	t.Helper()
+	target, err := os.Readlink(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return target
 }

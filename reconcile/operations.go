@@ -252,17 +252,14 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
+	adopt := w.Adopt
 	if owned {
-		removed, err := w.RemoveStrays()
-		for _, entry := range removed {
-			r.log.Warn("removed an entry kvmount did not write from its mount", "mount", name, "dir", spec.Dir, "entry", entry)
-		}
-		if err != nil {
-			w.Close()
-			return fmt.Errorf("mount %q: %w", name, err)
-		}
+		adopt = w.AdoptOwned
 	}
-	ad, err := w.Adopt()
+	ad, err := adopt()
+	for _, entry := range ad.Removed {
+		r.log.Warn("removed an entry kvmount did not write from its mount", "mount", name, "dir", spec.Dir, "entry", entry)
+	}
 	if err != nil {
 		w.Close()
 		return fmt.Errorf("mount %q: %w", name, err)
