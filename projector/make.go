@@ -93,6 +93,43 @@ type origin struct {
 	key        string // full key
 }
 
+// originOf returns the projection and key that put path p into a payload
+// MakePayload made from projections: the first that leads to p in the
+// order MakePayload places them (a prefix's keys in byte order, items in
+// their order). It is for error messages only, and searches: a map of
+// every path's origin would be made, and dropped, for every payload.
+func originOf(projections []Projection, p string) (origin, bool) {
+	for i, pr := range projections {
+		if pr.Missing {
+			continue
+		}
+		if pr.Items == nil {
+			first, found := "", false
+			for key := range pr.Entries {
+				if key == "" || strings.HasSuffix(key, "/") || found && key >= first {
+					continue
+				}
+				if clean, err := CleanPath(key); err == nil && clean == p {
+					first, found = key, true
+				}
+			}
+			if found {
+				return origin{projection: i, key: pr.Prefix + first}, true
+			}
+			continue
+		}
+		for _, it := range pr.Items {
+			if _, ok := pr.Entries[it.Key]; !ok {
+				continue
+			}
+			if clean, err := CleanPath(it.Path); err == nil && clean == p {
+				return origin{projection: i, key: pr.Prefix + it.Key}, true
+			}
+		}
+	}
+	return origin{}, false
+}
+
 // ErrValueTooLarge is wrapped by the error of a value, or a template's
 // output, over Options.MaxValueSize (the mount's max_value_size);
 // ErrMountTooLarge by that of a payload over Options.MaxSize (its
@@ -120,9 +157,15 @@ var (
 // producing the same path, a value over opts.MaxValueSize, a payload over
 // opts.MaxSize, or one with more files than opts.MaxFiles.
 func MakePayload(mount string, projections []Projection, opts Options) (Payload, []*KeyError, error) {
-	payload := Payload{}
-	owner := map[string]origin{} // path → the projection and key that produced it
-	dirs := map[string]bool{}    // directories that payload's paths need
+	// Sized for every entry at once: a payload grown one entry at a time
+	// leaves its smaller tables behind as garbage, between the long-lived
+	// objects of other mounts (1,000 mounts set up at once).
+	files := 0
+	for _, pr := range projections {
+		files += len(pr.Entries)
+	}
+	payload := make(Payload, files)
+	dirs := map[string]bool{} // directories that payload's paths need
 	var rejected []*KeyError
 	// What templates read: every key placed, by path, with its full key;
 	// the folder markers; and the keys rejected, with why.
@@ -149,7 +192,8 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				}
 				return nil
 			}
-			if by, dup := owner[clean]; dup {
+			if _, dup := payload[clean]; dup {
+				by, _ := originOf(projections, clean)
 				if by.projection == i && pr.Items == nil {
 					err := fmt.Errorf("%w: path %q is also the path of key %q, which comes first in byte order", ErrPathTaken, clean, by.key)
 					rejected = append(rejected, &KeyError{Source: pr.Source, Key: pr.Prefix + key, Mount: mount, Err: err})
@@ -160,7 +204,6 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			if opts.MaxFiles > 0 && len(payload) >= opts.MaxFiles {
 				return fmt.Errorf("mount %q: the payload has more files than %w (%d) allows", mount, ErrTooManyFiles, opts.MaxFiles)
 			}
-			owner[clean] = origin{projection: i, key: pr.Prefix + key}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
 				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds %w (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), ErrValueTooLarge, opts.MaxValueSize)
 			}
@@ -213,7 +256,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	}
 	if len(opts.Templates) > 0 {
 		var err error
-		if payload, err = renderTemplates(mount, payload, owner, view, opts); err != nil {
+		if payload, err = renderTemplates(mount, payload, projections, view, opts); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -229,19 +272,20 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 }
 
 // renderTemplates renders opts.Templates over the keys of view (the
-// payload's, whose origins owner names) and returns the payload with the
+// payload's, made from projections) and returns the payload with the
 // rendered files —
 // and without the keys when they feed the templates only. A rendered path
 // that is also a key's path, or that is a file and a directory at once,
 // fails the mount with an error naming both.
-func renderTemplates(mount string, payload Payload, owner map[string]origin, view *render.Keys, opts Options) (Payload, error) {
+func renderTemplates(mount string, payload Payload, projections []Projection, view *render.Keys, opts Options) (Payload, error) {
 	out := payload
 	if opts.KeysOnlyForTemplates {
 		out = Payload{}
 	}
 	dirs := directoryMap(out)
 	for _, t := range opts.Templates {
-		if by, ok := owner[t.Path]; ok && !opts.KeysOnlyForTemplates {
+		if _, ok := payload[t.Path]; ok && !opts.KeysOnlyForTemplates {
+			by, _ := originOf(projections, t.Path)
 			return nil, fmt.Errorf("mount %q: template %s renders %q, which is also the path of key %q", mount, t.Origin, t.Path, by.key)
 		}
 		if err := placeable(out, dirs, t.Path); err != nil {

@@ -193,3 +193,25 @@ func FuzzMakePayload(f *testing.F) {
 		}
 	})
 }
+
+// TestPathTakenNamesTheKeyPlaced: a key whose path an earlier key (in byte
+// order) took is rejected with an error that names that earlier key.
+func TestPathTakenNamesTheKeyPlaced(t *testing.T) {
+	pr := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+		"a//b": []byte("1"), "a/b": []byte("2"), "./x": []byte("3"), "x": []byte("4"), "x//": []byte("5"),
+	}}}
+	_, rejected, err := MakePayload("m", pr, Options{Mode: 0o644})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"/p/a/b": `key "/p/a//b"`, "/p/x": `key "/p/./x"`}
+	for _, r := range rejected {
+		if !errors.Is(r, ErrPathTaken) || !strings.Contains(r.Error(), want[r.Key]) {
+			t.Errorf("rejection of %s: %v; want ErrPathTaken naming %s", r.Key, r, want[r.Key])
+		}
+		delete(want, r.Key)
+	}
+	if len(want) > 0 {
+		t.Errorf("not rejected: %v", want)
+	}
+}

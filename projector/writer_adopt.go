@@ -104,15 +104,15 @@ func (w *AtomicWriter) adopt(entries []mountEntry) (Adoption, error) {
 	}
 	w.adopted = true
 	w.current, w.retired = nil, nil
-	w.visible = nil
+	w.setVisible(nil)
 	if current == "" {
-		w.visible = visible
+		w.setVisible(visible)
 		return Adoption{}, nil
 	}
 	ad := Adoption{Version: current}
 	if v, err := w.adoptManifest(current); err == nil {
 		w.current = v
-		w.visible = visible
+		w.setVisible(visible)
 		ad.FromManifest, ad.Files = true, v.files()
 		return ad, nil
 	} else {
@@ -126,7 +126,7 @@ func (w *AtomicWriter) adopt(entries []mountEntry) (Adoption, error) {
 	}
 	w.current = &version{name: current, payload: payload, noManifest: true}
 	w.rebuildDirs = !w.dirsMatch(current)
-	w.visible = visible
+	w.setVisible(visible)
 	ad.Files = len(payload)
 	return ad, nil
 }
@@ -170,7 +170,7 @@ func (w *AtomicWriter) removeStrays(entries []mountEntry) (kept []mountEntry, re
 		removed = append(removed, e.name)
 	}
 	if len(removed) > 0 {
-		w.visible = nil
+		w.setVisible(nil)
 	}
 	return kept, removed, nil
 }
@@ -210,7 +210,7 @@ func (w *AtomicWriter) dirsMatch(name string) bool {
 func (w *AtomicWriter) Verify() error {
 	if err := w.verify(); err != nil {
 		w.current = nil
-		w.visible = nil
+		w.setVisible(nil)
 		return fmt.Errorf("atomic writer: %s: %w: %v", w.dir, ErrDrift, err)
 	}
 	return nil

@@ -358,8 +358,8 @@ func (b *syncBatch) flush() error {
 // (kubernetes#121472). An entry in the way that is not the writer's symlink
 // is foreign content: it is left alone and reported.
 func (w *AtomicWriter) addVisible(payload Payload) error {
-	known := w.visible
-	w.visible = nil // unknown until this update completes
+	known := w.knownVisible()
+	w.setVisible(nil) // unknown until this update completes
 	if known == nil {
 		var err error
 		if known, err = w.scanVisible(); err != nil {
@@ -385,16 +385,17 @@ func (w *AtomicWriter) addVisible(payload Payload) error {
 		}
 		known[name] = true
 	}
-	w.visible = known
+	w.setVisible(known)
 	return nil
 }
 
 // removeStaleVisible removes the writer's symlinks for first path elements
-// no longer in payload, after the switch.
+// no longer in payload, after the switch to the version that holds it
+// (the current one).
 func (w *AtomicWriter) removeStaleVisible(payload Payload) error {
 	want := topLevel(payload)
-	known := w.visible
-	w.visible = nil
+	known := w.knownVisible()
+	w.setVisible(nil)
 	for name := range known {
 		if !want[name] && w.isVisibleLink(name) {
 			if err := w.root.Remove(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -402,6 +403,7 @@ func (w *AtomicWriter) removeStaleVisible(payload Payload) error {
 			}
 		}
 	}
-	w.visible = want
+	// Exactly the current version's names now: nothing to keep.
+	w.visible, w.visibleOf = nil, w.current
 	return nil
 }

@@ -657,3 +657,34 @@ func TestCheckRefusesAVersion(t *testing.T) {
 	}
 	checkMount(t, dir, Payload{"app.conf": file("fixed", 0o644)})
 }
+
+// TestVisibleNamesNotKeptAtRest: once a write or an adoption has found
+// the visible symlinks to be exactly the current version's first path
+// elements, the writer keeps no set of them (at 1,000 mounts of 100 files
+// such sets were 4 MB of heap), and it still removes a name that leaves.
+func TestVisibleNamesNotKeptAtRest(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	atRest := func(when string) {
+		t.Helper()
+		if w.visible != nil || w.visibleOf == nil || w.visibleOf != w.current {
+			t.Errorf("%s: the writer keeps a set of %d visible names; want none", when, len(w.visible))
+		}
+	}
+	if _, err := w.Write(Payload{"a": file("a", 0o644), "d/x": file("x", 0o644)}); err != nil {
+		t.Fatal(err)
+	}
+	atRest("after a write")
+	want := Payload{"a": file("a2", 0o644), "b": file("b", 0o644)}
+	if _, err := w.Write(want); err != nil {
+		t.Fatal(err)
+	}
+	atRest("after a write that removed d")
+	checkMount(t, dir, want)
+	w2 := newWriter(t, dir)
+	if _, err := w2.AdoptOwned(); err != nil {
+		t.Fatal(err)
+	}
+	w = w2
+	atRest("after adoption from the manifest")
+}
