@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
+
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
@@ -264,5 +266,31 @@ func TestDecode(t *testing.T) {
 				t.Errorf("got %+v; want %+v", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestAddPacked: a page's entries come out keyed relative to the prefix,
+// each value its own bytes, and appending to one value never changes its
+// neighbour in the shared buffer.
+func TestAddPacked(t *testing.T) {
+	entries := map[string][]byte{"old": []byte("kept")}
+	addPacked(entries, "/app/", []*mvccpb.KeyValue{
+		{Key: []byte("/app/a"), Value: []byte("1")},
+		{Key: []byte("/app/b/c"), Value: []byte("")},
+		{Key: []byte("/app/d"), Value: []byte("333")},
+	})
+	want := map[string]string{"old": "kept", "a": "1", "b/c": "", "d": "333"}
+	if len(entries) != len(want) {
+		t.Fatalf("entries %q; want %q", entries, want)
+	}
+	for k, v := range want {
+		if got, ok := entries[k]; !ok || string(got) != v {
+			t.Errorf("entries[%q] = %q, %v; want %q", k, got, ok, v)
+		}
+	}
+	_ = append(entries["a"], 'X')
+	_ = append(entries["b/c"], 'Y')
+	if string(entries["d"]) != "333" || string(entries["a"]) != "1" {
+		t.Errorf("an append to one value changed another: a=%q d=%q", entries["a"], entries["d"])
 	}
 }
