@@ -61,28 +61,10 @@ func run(t *testing.T, name string, args ...string) string {
 }
 
 // requireTools installs the Debian packages that provide the commands
-// missing here; with CI=true a failure is fatal (a skip would hide the
-// test), elsewhere it skips.
+// missing here (roottest.Tools).
 func requireTools(t *testing.T, pkgs map[string]string) {
 	t.Helper()
-	var missing []string
-	for cmd, pkg := range pkgs {
-		if _, err := exec.LookPath(cmd); err != nil {
-			missing = append(missing, pkg)
-		}
-	}
-	if len(missing) == 0 {
-		return
-	}
-	roottest.Require(t)
-	install := fmt.Sprintf("apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq %s", strings.Join(missing, " "))
-	out, err := exec.Command("sh", "-c", install).CombinedOutput()
-	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("installing %v: %v\n%s", missing, err, out)
-		}
-		t.Skipf("installing %v: %v", missing, err)
-	}
+	roottest.Tools(t, pkgs)
 }
 
 // TestPackageContents inspects the four packages: files, modes, the

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -172,4 +173,78 @@ func TempDir(tb testing.TB) string {
 		}
 	}
 	return dir
+}
+
+// HelperEnv is the environment variable that tells a test binary run by
+// User.Helper which helper to act as.
+const HelperEnv = "KVMOUNT_TEST_HELPER"
+
+// Helper returns a command that runs, as u, the running test binary itself
+// with HelperEnv=name and env, and -test.run=^TestHelperProcess$: the
+// package's TestHelperProcess (see RunHelper) then does what name says, as
+// u, with real system calls — what no shell command can (an extended
+// attribute, renameat2). The binary is copied where u can execute it, and
+// removed when the test ends.
+func (u User) Helper(tb testing.TB, name string, env ...string) *exec.Cmd {
+	tb.Helper()
+	data, err := os.ReadFile("/proc/self/exe")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	bin := filepath.Join(TempDir(tb), "helper.test")
+	if err := os.WriteFile(bin, data, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	cmd := u.Command(bin, "-test.run=^TestHelperProcess$", "-test.count=1")
+	cmd.Dir = "/"
+	cmd.Env = append(cmd.Env, append([]string{HelperEnv + "=" + name}, env...)...)
+	return cmd
+}
+
+// RunHelper is the body of a package's TestHelperProcess: outside a
+// helper it returns at once; inside one it runs helpers[name] and exits 0,
+// or prints the error and exits 1.
+func RunHelper(helpers map[string]func() error) {
+	name := os.Getenv(HelperEnv)
+	if name == "" {
+		return
+	}
+	h, ok := helpers[name]
+	if !ok {
+		fmt.Fprintf(os.Stderr, "no helper %q\n", name)
+		os.Exit(2)
+	}
+	if err := h(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// Tools makes sure the commands named by pkgs' keys are here, installing
+// the Debian packages (pkgs' values) that provide the missing ones with
+// apt-get, which waits for another test's apt-get to finish first. With
+// CI=true a failure is fatal — a skip would hide the test — elsewhere it
+// skips.
+func Tools(tb testing.TB, pkgs map[string]string) {
+	tb.Helper()
+	var missing []string
+	for cmd, pkg := range pkgs {
+		if _, err := exec.LookPath(cmd); err != nil && !slices.Contains(missing, pkg) {
+			missing = append(missing, pkg)
+		}
+	}
+	if len(missing) == 0 {
+		return
+	}
+	Require(tb)
+	slices.Sort(missing)
+	install := fmt.Sprintf("apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq %s", strings.Join(missing, " "))
+	out, err := exec.Command("sh", "-c", install).CombinedOutput()
+	if err != nil {
+		if os.Getenv("CI") == "true" {
+			tb.Fatalf("installing %v: %v\n%s", missing, err, out)
+		}
+		tb.Skipf("installing %v: %v", missing, err)
+	}
 }
