@@ -42,6 +42,10 @@ type Options struct {
 	Ping func(ctx context.Context) error
 	// Log receives the server's errors.
 	Log *slog.Logger
+	// Adopt, when set, serves POST /adopt?mount=NAME on the private
+	// endpoint only (kvmount adopt): it takes the directory the mount's
+	// path reaches for the mount's own (reconcile.Reconciler.Adopt).
+	Adopt func(ctx context.Context, mount string) error
 }
 
 // Server holds what kvmount knows of its mounts and sources and serves it.

@@ -58,7 +58,7 @@ func newMetrics(reg prometheus.Registerer, version string) *metrics {
 			Help:    "Time of a setup, remount or repair that changed a mount, from the start of the operation to the switch and clean-up.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
 		guards: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_guard_rejections_total",
-			Help: "Payloads a guard rail refused or held back: check_command, size_limit, min_keys, allow_empty, max_value_size, max_mount_size or max_files; and mount_dir_replaced, a mount directory refused because its path reaches another directory than the one kvmount owns."}, []string{"mount", "guard"}),
+			Help: "Payloads a guard rail refused or held back: check_command, size_limit, min_keys, allow_empty, max_value_size, max_mount_size or max_files; mount_dir_replaced, a mount directory refused because its path reaches another directory than the one kvmount owns; and mount_dir_unrecognized, one refused because its file system keeps no marker and was renumbered or replaced (kvmount adopt takes it over)."}, []string{"mount", "guard"}),
 		notifications: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_notify_total",
 			Help: "Notification attempts, by kind and result (success or failure)."}, []string{"mount", "kind", "result"}),
 		notifyDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvmount_notify_duration_seconds",

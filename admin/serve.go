@@ -184,6 +184,9 @@ func (s *Server) setEndpointState(address string, private bool, err error, liste
 	s.endpointState[address] = st
 }
 
+// adoptTimeout bounds how long POST /adopt waits for the reconciler's loop.
+const adoptTimeout = 10 * time.Second
+
 // handler returns the routes of a public or private endpoint.
 func (s *Server) handler(private bool) http.Handler {
 	mux := http.NewServeMux()
@@ -219,6 +222,22 @@ func (s *Server) handler(private bool) http.Handler {
 			enc.SetIndent("", "  ")
 			_ = enc.Encode(s.Status())
 		})
+		if s.opts.Adopt != nil {
+			mux.HandleFunc("POST /adopt", func(w http.ResponseWriter, r *http.Request) {
+				mount := r.URL.Query().Get("mount")
+				if mount == "" {
+					http.Error(w, "adopt: the mount query parameter is missing", http.StatusBadRequest)
+					return
+				}
+				ctx, cancel := context.WithTimeout(r.Context(), adoptTimeout)
+				defer cancel()
+				if err := s.opts.Adopt(ctx, mount); err != nil {
+					http.Error(w, err.Error(), http.StatusConflict)
+					return
+				}
+				fmt.Fprintf(w, "mount %q: its directory is taken over at once\n", mount)
+			})
+		}
 	}
 	return mux
 }

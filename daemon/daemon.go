@@ -94,7 +94,9 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 	}
 	observers := reconcile.Observers{observer}
 	if svc != nil {
-		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log, Ping: func(ctx context.Context) error { return d.rec.Ping(ctx) }})
+		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log,
+			Ping:  func(ctx context.Context) error { return d.rec.Ping(ctx) },
+			Adopt: func(ctx context.Context, mount string) error { return d.rec.Adopt(ctx, mount) }})
 		observers = append(observers, d.admin)
 		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: func(r notify.Result) {
 			d.admin.NotifyResult(r)

@@ -106,15 +106,26 @@ func (m Medium) tmpfsOptions() fsutil.TmpfsOptions {
 }
 
 // Owner is what kvmount recorded of a mount directory it owns, to recognise
-// it: nil fields are unknown (nothing recorded yet), and then whatever is
-// found is taken.
+// it (fsutil.Recognize): nil identities are unknown (nothing recorded yet),
+// and then whatever is found is taken.
 type Owner struct {
 	// Dir identifies the mount directory on its parent's file system: the
 	// directory itself on disk, the directory the tmpfs is mounted on.
 	Dir *fsutil.Ident
 	// Tmpfs identifies the root of kvmount's tmpfs mounted there.
 	Tmpfs *fsutil.Ident
+	// Marker is the token of the marker (fsutil.MarkerAttr) that the
+	// mount directory and its tmpfs's root carry, or are given: the
+	// identity that survives a remount or reboot renumbering the file
+	// system. "" where the file system keeps none.
+	Marker string
 }
+
+// dir returns what o records of the mount directory.
+func (o Owner) dir() fsutil.Owned { return fsutil.Owned{Ident: o.Dir, Marker: o.Marker} }
+
+// tmpfs returns what o records of the root of kvmount's tmpfs.
+func (o Owner) tmpfs() fsutil.Owned { return fsutil.Owned{Ident: o.Tmpfs, Marker: o.Marker} }
 
 // MountDir is a mount directory Prepare made ready: the directory to write
 // into, held open, and how to recognise it next time.
@@ -126,6 +137,8 @@ type MountDir struct {
 	Owner Owner
 	// Created reports that Prepare created Dir.
 	Created bool
+	// marker is the token being given, "" once a file system keeps none.
+	marker string
 }
 
 // Prepare makes Dir ready for an atomic writer and returns it open. Dir is
@@ -138,19 +151,27 @@ type MountDir struct {
 // whether Dir is about to be created, before anything is created or
 // mounted, so that the caller can record what it will own first.
 //
-// owner is what a previous run recorded. A directory found at Dir whose
-// identity differs is refused with fsutil.ErrReplaced and left untouched:
-// someone who can write one of Dir's parents replaced the directory
-// kvmount owns, and kvmount never takes over whatever the path reaches
-// now. A Dir that does not exist is created anew.
+// owner is what a previous run recorded, and marker the token of the
+// marker to give the directory: owner.Marker, or a new one when owner has
+// none, which the caller records from MountDir.Owner once Prepare has
+// given it. A directory found
+// at Dir that fsutil.Recognize does not take for the one owner records is
+// refused with fsutil.ErrReplaced (and fsutil.ErrUnrecognized where
+// kvmount cannot tell) and left untouched: someone who can write one of
+// Dir's parents replaced the directory kvmount owns, and kvmount never
+// takes over whatever the path reaches now. A Dir that does not exist is
+// created anew. The directory taken, and the root of its tmpfs, are given
+// the marker where their file system keeps one; MountDir.Owner.Marker is ""
+// where it does not.
 //
 // Other errors: a symlink in Dir's path (fsutil.ErrSymlink, and
 // fsutil.ErrNotDir at Dir itself) or anything else than a directory
 // (fsutil.ErrNotDir); a non-empty directory that a new tmpfs would hide
 // (ErrWouldHide); another file system mounted at Dir
-// (fsutil.ErrForeignMount); and those of mkdir, mount, chmod and chown.
-func (m Medium) Prepare(owner Owner, before func(createDir bool) error) (*MountDir, error) {
-	md := &MountDir{Owner: owner}
+// (fsutil.ErrForeignMount); and those of mkdir, mount, chmod, chown and
+// setxattr.
+func (m Medium) Prepare(owner Owner, marker string, before func(createDir bool) error) (*MountDir, error) {
+	md := &MountDir{Owner: owner, marker: marker}
 	d, err := fsutil.OpenDir(m.Dir)
 	if errors.Is(err, fs.ErrNotExist) {
 		if err := before(true); err != nil {
@@ -174,17 +195,11 @@ func (m Medium) Prepare(owner Owner, before func(createDir bool) error) (*MountD
 			return nil, err
 		}
 	} else {
-		if !md.Created {
-			if err := fsutil.CheckIdent(d, m.Dir, owner.Dir); err != nil {
-				return nil, err
-			}
-		}
-		ident, err := fsutil.IdentOf(d)
-		if err != nil {
+		if err := m.takeDir(d, md); err != nil {
 			return nil, err
 		}
-		md.Owner = Owner{Dir: &ident}
 	}
+	md.Owner.Marker = md.marker
 	// A directory someone else made, or a reload that changed the mode or
 	// owner: take it over, inherited ACLs included.
 	if err := fsutil.StripACL(d); err != nil {
@@ -195,6 +210,43 @@ func (m Medium) Prepare(owner Owner, before func(createDir bool) error) (*MountD
 	}
 	md.File, d = d, nil
 	return md, nil
+}
+
+// takeDir recognises d, the mount directory (fsutil.Recognize; a directory
+// Prepare just created is taken as it is), marks it and records its
+// identity in md.Owner.
+func (m Medium) takeDir(d *os.File, md *MountDir) error {
+	if !md.Created {
+		if err := fsutil.Recognize(d, m.Dir, md.Owner.dir()); err != nil {
+			return err
+		}
+	}
+	ident, err := fsutil.IdentOf(d)
+	if err != nil {
+		return err
+	}
+	md.Owner.Dir = &ident
+	return mark(d, &md.marker)
+}
+
+// mark gives d the marker *token unless it carries it already; where d's
+// file system keeps no marker, *token becomes "".
+func mark(d *os.File, token *string) error {
+	if *token == "" {
+		return nil
+	}
+	got, err := fsutil.ReadMarker(d)
+	if err == nil && got == *token {
+		return nil
+	}
+	if err == nil {
+		err = fsutil.SetMarker(d, *token)
+	}
+	if errors.Is(err, fsutil.ErrNoMarker) {
+		*token = ""
+		return nil
+	}
+	return err
 }
 
 // prepareTmpfs mounts or remounts kvmount's tmpfs on *d, replacing *d with
@@ -208,23 +260,16 @@ func (m Medium) prepareTmpfs(d **os.File, md *MountDir, before func(createDir bo
 	case fsutil.ForeignMount:
 		return fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it alone — unmount it or choose another dir", m.Dir, fsutil.ErrForeignMount, info.FSType, info.Source)
 	case fsutil.OwnTmpfs:
-		if err := fsutil.CheckIdent(*d, m.Dir, md.Owner.Tmpfs); err != nil {
+		if err := fsutil.Recognize(*d, m.Dir, md.Owner.tmpfs()); err != nil {
 			return err
 		}
 		if err := fsutil.RemountTmpfs(*d, m.tmpfsOptions()); err != nil {
 			return err
 		}
 	default:
-		if !md.Created {
-			if err := fsutil.CheckIdent(*d, m.Dir, md.Owner.Dir); err != nil {
-				return err
-			}
-		}
-		ident, err := fsutil.IdentOf(*d)
-		if err != nil {
+		if err := m.takeDir(*d, md); err != nil {
 			return err
 		}
-		md.Owner.Dir = &ident
 		names, err := (*d).Readdirnames(1)
 		if err != nil && err != io.EOF {
 			return err
@@ -249,12 +294,12 @@ func (m Medium) prepareTmpfs(d **os.File, md *MountDir, before func(createDir bo
 		return err
 	}
 	md.Owner.Tmpfs = &ident
-	return nil
+	return mark(*d, &md.marker)
 }
 
 // Open opens the existing mount directory Dir to tear it down, without
 // following a symlink in any component and checking that it is the one
-// owner identifies (fsutil.ErrReplaced otherwise): the root of kvmount's
+// owner identifies (fsutil.Recognize; fsutil.ErrReplaced otherwise): the root of kvmount's
 // tmpfs when one is mounted there, else Dir itself. A missing Dir is an
 // error wrapping fs.ErrNotExist.
 func (m Medium) Open(owner Owner) (*os.File, error) {
@@ -262,14 +307,14 @@ func (m Medium) Open(owner Owner) (*os.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	want := owner.Dir
+	want := owner.dir()
 	if state, _, err := fsutil.MountAt(d); err != nil {
 		d.Close()
 		return nil, err
 	} else if state == fsutil.OwnTmpfs {
-		want = owner.Tmpfs
+		want = owner.tmpfs()
 	}
-	if err := fsutil.CheckIdent(d, m.Dir, want); err != nil {
+	if err := fsutil.Recognize(d, m.Dir, want); err != nil {
 		d.Close()
 		return nil, err
 	}
@@ -300,7 +345,7 @@ func (m Medium) Release(owner Owner, removeDir bool) error {
 		if d, err = fsutil.OpenDir(m.Dir); err != nil {
 			return err
 		}
-		if err := fsutil.CheckIdent(d, m.Dir, owner.Dir); err != nil {
+		if err := fsutil.Recognize(d, m.Dir, owner.dir()); err != nil {
 			d.Close()
 			return err
 		}

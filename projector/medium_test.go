@@ -28,17 +28,23 @@ func TestPrepareRefusesAReplacedDirectory(t *testing.T) {
 			roottest.UnmountAtEnd(t, dir)
 			roottest.UnmountAtEnd(t, filepath.Join(app+".old", "certs"))
 			m := Medium{Dir: dir, Tmpfs: tmpfs, SizeLimit: 1 << 20, Mode: 0o750, UID: -1, GID: -1}
-			md, err := m.Prepare(Owner{}, noRecord)
+			const token = "0123456789abcdef0123456789abcdef"
+			md, err := m.Prepare(Owner{}, token, noRecord)
 			if err != nil {
 				t.Fatal(err)
 			}
+			// The directory written into (the tmpfs's root on tmpfs)
+			// carries the marker, and so does the directory below.
+			if got, err := fsutil.ReadMarker(md.File); got != token || err != nil {
+				t.Errorf("the marker of the directory written into = %q, %v; want %q", got, err, token)
+			}
 			md.File.Close()
-			if !md.Created || md.Owner.Dir == nil || (md.Owner.Tmpfs != nil) != tmpfs {
+			if !md.Created || md.Owner.Dir == nil || (md.Owner.Tmpfs != nil) != tmpfs || md.Owner.Marker != token {
 				t.Fatalf("Prepare = created %v, owner %+v", md.Created, md.Owner)
 			}
 			owner := md.Owner
 			// A restart finds the same directory: accepted.
-			md, err = m.Prepare(owner, noRecord)
+			md, err = m.Prepare(owner, owner.Marker, noRecord)
 			if err != nil {
 				t.Fatalf("Prepare(same directory) = %v", err)
 			}
@@ -62,7 +68,7 @@ func TestPrepareRefusesAReplacedDirectory(t *testing.T) {
 			if err := os.Remove(filepath.Join(dir, "theirs")); err != nil {
 				t.Fatal(err)
 			}
-			_, err = m.Prepare(owner, noRecord)
+			_, err = m.Prepare(owner, owner.Marker, noRecord)
 			if !errors.Is(err, fsutil.ErrReplaced) {
 				t.Fatalf("Prepare(replaced directory) = %v; want fsutil.ErrReplaced", err)
 			}
@@ -85,7 +91,7 @@ func TestPrepareRefusesAReplacedDirectory(t *testing.T) {
 			if err := os.RemoveAll(app); err != nil {
 				t.Fatal(err)
 			}
-			md, err = m.Prepare(owner, noRecord)
+			md, err = m.Prepare(owner, owner.Marker, noRecord)
 			if err != nil || !md.Created {
 				t.Fatalf("Prepare(missing directory) = %v; want it created", err)
 			}
@@ -115,7 +121,7 @@ func TestPrepareTakesOverADirectoryWithADefaultACL(t *testing.T) {
 		{Tag: roottest.ACLGroupObj, Perm: 7}, {Tag: roottest.ACLMask, Perm: 7}, {Tag: roottest.ACLOther, Perm: 7}}
 	roottest.SetACL(t, dir, true, acl...)
 	roottest.SetACL(t, dir, false, acl...)
-	md, err := (Medium{Dir: dir, Mode: 0o750, UID: 0, GID: 0}).Prepare(Owner{}, noRecord)
+	md, err := (Medium{Dir: dir, Mode: 0o750, UID: 0, GID: 0}).Prepare(Owner{}, "", noRecord)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -195,7 +201,7 @@ func TestFailedBuildLeavesNothing(t *testing.T) {
 	roottest.Require(t)
 	dir := filepath.Join(t.TempDir(), "mnt")
 	roottest.UnmountAtEnd(t, dir)
-	md, err := (Medium{Dir: dir, Tmpfs: true, SizeLimit: 16 << 10, MaxFiles: 4, Mode: 0o755, UID: -1, GID: -1}).Prepare(Owner{}, noRecord)
+	md, err := (Medium{Dir: dir, Tmpfs: true, SizeLimit: 16 << 10, MaxFiles: 4, Mode: 0o755, UID: -1, GID: -1}).Prepare(Owner{}, "", noRecord)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -184,7 +184,7 @@ func TestReplacedVersionsMakeRoom(t *testing.T) {
 	}
 	roottest.UnmountAtEnd(t, dir)
 	const limit = 64 << 10
-	md, err := (Medium{Dir: dir, Tmpfs: true, SizeLimit: limit, Mode: 0o755, UID: -1, GID: -1}).Prepare(Owner{}, func(bool) error { return nil })
+	md, err := (Medium{Dir: dir, Tmpfs: true, SizeLimit: limit, Mode: 0o755, UID: -1, GID: -1}).Prepare(Owner{}, "", func(bool) error { return nil })
 	if err != nil {
 		t.Fatal(err)
 	}

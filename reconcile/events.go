@@ -42,19 +42,25 @@ type ProjectedEvent struct {
 }
 
 // FailedEvent: an operation failed; the mount keeps its last content and
-// is retried after RetryIn (or at once when its payload changes).
+// is retried after RetryIn — or, when RetryOnChange is set, at once when
+// its payload changes.
 type FailedEvent struct {
 	Mount, Op string
 	Err       error
 	// Guard names the guard rail that refused the version, if one did:
-	// "check_command" or "size_limit"; or "mount_dir_replaced" when the
+	// "check_command" or "size_limit"; "mount_dir_replaced" when the
 	// mount directory's path reaches another directory than the one
 	// kvmount owns, or passes through a symlink (fsutil.ErrReplaced,
-	// ErrSymlink, ErrNotDir), which kvmount refuses.
+	// ErrSymlink, ErrNotDir), which kvmount refuses; or
+	// "mount_dir_unrecognized" when kvmount cannot tell
+	// (fsutil.ErrUnrecognized).
 	Guard   string
 	Attempt int
 	RetryIn time.Duration
-	Time    time.Time
+	// RetryOnChange reports that the failure was the payload's own
+	// (Failure.PayloadCaused).
+	RetryOnChange bool
+	Time          time.Time
 }
 
 // HeldBackEvent: a guard rail kept a payload from replacing the mount's

@@ -232,17 +232,29 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	var owner projector.Owner
 	if owned {
 		rec.CreatedDir, owner = old.CreatedDir, old.owner()
-		rec.Ident, rec.TmpfsIdent = old.Ident, old.TmpfsIdent
+		rec.Ident, rec.TmpfsIdent, rec.Marker = old.Ident, old.TmpfsIdent, old.Marker
 	}
-	md, err := medium(spec).Prepare(owner, func(createDir bool) error {
+	marker := owner.Marker
+	if marker == "" {
+		// Recorded once the directory has it: a record that names a
+		// marker the directory lacks would refuse it.
+		var err error
+		if marker, err = fsutil.NewMarker(); err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
+	md, err := medium(spec).Prepare(owner, marker, func(createDir bool) error {
 		rec.CreatedDir = rec.CreatedDir || createDir
 		return r.owned.Set(name, rec)
 	})
+	if errors.Is(err, fsutil.ErrReplaced) {
+		return fmt.Errorf("mount %q: %w; if it is this mount's directory (a remount renumbered its file system, or you put it there), take it over with: kvmount adopt -mount %s", name, err, name)
+	}
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
 	defer md.File.Close()
-	rec.Ident, rec.TmpfsIdent = md.Owner.Dir, md.Owner.Tmpfs
+	rec.Ident, rec.TmpfsIdent, rec.Marker = md.Owner.Dir, md.Owner.Tmpfs, md.Owner.Marker
 	w, err := projector.OpenAtomicWriterAt(spec.Dir, md.File, projector.WriterOptions{
 		Sync:    spec.Medium == config.MediumDisk,
 		DirMode: spec.DirMode,

@@ -36,16 +36,21 @@ type Record struct {
 	// before kvmount recorded them: the next setup records what it finds.
 	Ident      *fsutil.Ident `json:"ident,omitempty"`
 	TmpfsIdent *fsutil.Ident `json:"tmpfs_ident,omitempty"`
+	// Marker is the token of the marker kvmount gives Dir and its tmpfs's
+	// root (fsutil.MarkerAttr): how it recognises them after a remount or
+	// reboot that renumbered their file system. "" where the file system
+	// keeps no marker, and in a record written before kvmount set them.
+	Marker string `json:"marker,omitempty"`
 }
 
 // owner returns what r records to recognise the mount directory.
 func (r Record) owner() projector.Owner {
-	return projector.Owner{Dir: r.Ident, Tmpfs: r.TmpfsIdent}
+	return projector.Owner{Dir: r.Ident, Tmpfs: r.TmpfsIdent, Marker: r.Marker}
 }
 
 // same reports whether r and q record the same thing.
 func (r Record) same(q Record) bool {
-	return r.Dir == q.Dir && r.Medium == q.Medium && r.CreatedDir == q.CreatedDir &&
+	return r.Dir == q.Dir && r.Medium == q.Medium && r.CreatedDir == q.CreatedDir && r.Marker == q.Marker &&
 		sameIdent(r.Ident, q.Ident) && sameIdent(r.TmpfsIdent, q.TmpfsIdent)
 }
 

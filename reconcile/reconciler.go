@@ -3,6 +3,7 @@ package reconcile
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"maps"
 	"slices"
@@ -85,6 +86,7 @@ type Reconciler struct {
 	opCancel context.CancelFunc
 	results  chan result
 	reloads  chan reloadRequest
+	adopts   chan adoptRequest
 	pings    chan chan struct{}
 	// names are the desired mounts' names, sorted: the order in which a
 	// pass plans and reports them, sorted again only when the mounts
@@ -109,6 +111,11 @@ type Reconciler struct {
 type reloadRequest struct {
 	cfg  ReloadConfig
 	done chan error
+}
+
+type adoptRequest struct {
+	mount string
+	done  chan error
 }
 
 // ReloadConfig is what a reload changes.
@@ -143,6 +150,7 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 		runtimes:  map[string]*runtime{},
 		results:   make(chan result),
 		reloads:   make(chan reloadRequest),
+		adopts:    make(chan adoptRequest),
 		pings:     make(chan chan struct{}),
 		running:   map[string]opClass{},
 		digests:   map[string]digestAt{},
@@ -183,6 +191,58 @@ func (r *Reconciler) Reload(ctx context.Context, cfg ReloadConfig) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
+}
+
+// ErrNotConfigured is returned by Adopt for a mount that the configuration
+// does not name.
+var ErrNotConfigured = errors.New("no such mount in the configuration")
+
+// Adopt makes the reconciler take the directory that mount's path reaches
+// now for the mount's own, as at a first start: kvmount forgets what it
+// recorded of the directory (its identity and marker), clears the mount's
+// backoff and sets it up at once. The directory must then hold nothing but
+// an atomic writer's layout (or nothing), else it is refused
+// (projector.ErrForeignContent) and left as it is. It is the way out of
+// fsutil.ErrUnrecognized, for an operator who knows that the directory is
+// the mount's. It returns once the loop has taken the request, or with
+// ctx's error; ErrNotConfigured for a mount not configured.
+func (r *Reconciler) Adopt(ctx context.Context, mount string) error {
+	req := adoptRequest{mount: mount, done: make(chan error, 1)}
+	select {
+	case r.adopts <- req:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	select {
+	case err := <-req.done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// adopt carries out an Adopt request in the loop.
+func (r *Reconciler) adopt(mount string) error {
+	if !slices.Contains(r.names, mount) {
+		return fmt.Errorf("mount %q: %w", mount, ErrNotConfigured)
+	}
+	if r.asw.InFlight[mount] {
+		return fmt.Errorf("mount %q: an operation on it is under way; try again in a moment", mount)
+	}
+	if err := r.owned.Delete(mount); err != nil {
+		return err
+	}
+	if rt := r.runtimes[mount]; rt != nil && rt.writer != nil {
+		// Opened anew, as a directory kvmount does not own yet.
+		rt.writer.Close()
+		rt.writer = nil
+	}
+	delete(r.asw.Failures, mount)
+	if a := r.asw.Mounts[mount]; a != nil {
+		a.RemountRequired = true
+	}
+	r.log.Warn("the directory the mount's path reaches is taken over as its own, on an operator's request", "mount", mount)
+	return nil
 }
 
 // ErrNotRunning is returned by Ping when the loop is not running.
@@ -240,6 +300,8 @@ func (r *Reconciler) Run(ctx context.Context) error {
 			}
 		case pong := <-r.pings:
 			close(pong)
+		case req := <-r.adopts:
+			req.done <- r.adopt(req.mount)
 		case req := <-r.reloads:
 			if req.cfg.Sources != nil {
 				r.pop.SetSources(req.cfg.Sources)
@@ -379,11 +441,15 @@ func (r *Reconciler) apply(res result) {
 		f.NextRetry = now.Add(delay)
 		f.Generation = res.generation
 		f.Err = res.err
+		f.PayloadCaused = payloadFailure(res.err)
 		if a := r.asw.Mounts[name]; a != nil && res.drift != nil {
 			a.RemountRequired = true
 		}
-		log.Error("operation failed; keeping last content", "op", res.op.Kind.String(), "attempt", f.Count, "retry_in", delay, "err", res.err)
-		r.opts.Observer.Observe(FailedEvent{Mount: name, Op: res.op.Kind.String(), Err: res.err, Guard: guardOf(res.err), Attempt: f.Count, RetryIn: delay, Time: now})
+		// The next attempt comes after the backoff; a failure of the
+		// payload is tried again at the next change too.
+		log.Error("operation failed; keeping last content", "op", res.op.Kind.String(), "attempt", f.Count, "retry_in", delay,
+			"retry_on_change", f.PayloadCaused, "err", res.err)
+		r.opts.Observer.Observe(FailedEvent{Mount: name, Op: res.op.Kind.String(), Err: res.err, Guard: guardOf(res.err), Attempt: f.Count, RetryIn: delay, RetryOnChange: f.PayloadCaused, Time: now})
 		return
 	}
 	delete(r.asw.Failures, name)
@@ -434,6 +500,12 @@ func (r *Reconciler) apply(res result) {
 	}
 }
 
+// payloadFailure reports whether err, an operation's failure, is the
+// payload's own — a new payload may not fail so — rather than the host's.
+func payloadFailure(err error) bool {
+	return errors.Is(err, projector.ErrCheckFailed) || errors.Is(err, errTooLarge) || errors.Is(err, projector.ErrInvalidPath)
+}
+
 // guardOf names the guard rail behind a failed write, if any.
 func guardOf(err error) string {
 	switch {
@@ -441,6 +513,8 @@ func guardOf(err error) string {
 		return "check_command"
 	case errors.Is(err, errTooLarge):
 		return "size_limit"
+	case errors.Is(err, fsutil.ErrUnrecognized):
+		return "mount_dir_unrecognized"
 	case errors.Is(err, fsutil.ErrReplaced) || errors.Is(err, fsutil.ErrSymlink) || errors.Is(err, fsutil.ErrNotDir):
 		return "mount_dir_replaced"
 	}

@@ -1,7 +1,8 @@
 // Command kvmount keeps directories in sync with key-value data held in
 // etcd, in Consul or behind an HTTP URL: run is the daemon, once projects
 // every mount a single time, check validates a configuration file, status
-// asks the running daemon, version prints the version.
+// asks the running daemon, adopt takes over a mount directory kvmount
+// cannot recognise, version prints the version.
 package main
 
 import (
@@ -61,6 +62,9 @@ commands:
            (mode, size, path), or with -path P the content of one file; the mount is not touched
   status   ask the running daemon (its admin endpoint): one line per mount;
            exit 0 when all are current, 1 when any is not, 2 when the daemon cannot be reached
+  adopt    take the directory that the path of -mount NAME reaches now for the mount's own, when
+           kvmount refuses it because it cannot tell (a remount renumbered a file system that keeps
+           no marker): asks the running daemon, or with none running records it for the next start
   version  print the version
 `
 
@@ -79,13 +83,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	switch cmd {
 	case "once":
 		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up on mounts not projected after this `duration`")
+	case "adopt":
+		fs.StringVar(&mountName, "mount", "", "the `name` of the mount whose directory to take over")
 	case "render":
 		fs.DurationVar(&timeout, "timeout", 30*time.Second, "give up when the sources have not answered after this `duration`")
 		fs.StringVar(&mountName, "mount", "", "the `name` of the mount to render")
 		fs.StringVar(&filePath, "path", "", "print the content of this `path` of the mount instead of the list")
 	}
 	switch cmd {
-	case "run", "once", "check", "status", "render", "version":
+	case "run", "once", "check", "status", "render", "adopt", "version":
 	case "help", "-h", "-help", "--help":
 		fmt.Fprint(stdout, usage)
 		return exitOK
@@ -125,6 +131,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	case "status":
 		return status(ctx, *configPath, opts.Registry, stdout, stderr)
+	case "adopt":
+		return adopt(ctx, opts, mountName, stdout, stderr)
 	case "render":
 		return render(ctx, opts, mountName, filePath, timeout, stdout, stderr)
 	case "once":

@@ -90,30 +90,18 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 	return exitOK
 }
 
-// fetchStatus GETs /status from the private admin socket at path, after
-// checking that the process listening there runs as root (or as the user
-// running kvmount status): SO_PEERCRED, not the path, says who answers.
+// fetchStatus GETs /status from the private admin socket at path (see
+// privateClient).
 func fetchStatus(ctx context.Context, path string) (*admin.Status, error) {
 	ctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
-	transport := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-		var d net.Dialer
-		c, err := d.DialContext(ctx, "unix", path)
-		if err != nil {
-			return nil, err
-		}
-		if err := checkPeer(c.(*net.UnixConn)); err != nil {
-			c.Close()
-			return nil, err
-		}
-		return c, nil
-	}}
-	defer transport.CloseIdleConnections()
+	client, done := privateClient(path)
+	defer done()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://kvmount/status", nil)
 	if err != nil {
 		return nil, err
 	}
-	resp, err := (&http.Client{Transport: transport}).Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return nil, err
 	}
@@ -126,6 +114,26 @@ func fetchStatus(ctx context.Context, path string) (*admin.Status, error) {
 		return nil, fmt.Errorf("/status: %w", err)
 	}
 	return &st, nil
+}
+
+// privateClient returns a client of the private admin socket at path that
+// checks, before each request, that the process listening there runs as
+// root (or as the user running this command): SO_PEERCRED, not the path,
+// says who answers. done releases its connections.
+func privateClient(path string) (client *http.Client, done func()) {
+	transport := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		c, err := d.DialContext(ctx, "unix", path)
+		if err != nil {
+			return nil, err
+		}
+		if err := checkPeer(c.(*net.UnixConn)); err != nil {
+			c.Close()
+			return nil, err
+		}
+		return c, nil
+	}}
+	return &http.Client{Transport: transport}, transport.CloseIdleConnections
 }
 
 // checkPeer returns an error unless the process at the other end of c runs
