@@ -67,9 +67,14 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     disk drifted;
 //   - a projected mount due for resync is verified;
 //   - a projected mount whose replaced versions' grace period is over has
-//     them collected; the earliest such time is a retry time too;
-//   - a mount whose last operation failed waits for its backoff, unless its
-//     desired generation changed since;
+//     them collected, in every state — held back, waiting for quiescence,
+//     backing off after a failure, its source down; the earliest such
+//     time is a retry time too;
+//   - a mount whose last operation failed waits for its backoff; a new
+//     desired generation is tried at once only where the failure was the
+//     payload's own (Failure.PayloadCaused: a check_command veto, a path
+//     refused, size_limit), never where the host failed (the directory
+//     refused, EIO, ENOSPC, EACCES, a mount that cannot be made);
 //   - a desired mount that is not ready is left as it is, keeping its last
 //     content;
 //   - a mount is not set up while another mount still holds its directory,
@@ -123,8 +128,8 @@ func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Tim
 			continue
 		}
 		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == d.Generation {
-			if a != nil && a.VerifyDue {
-				ops = append(ops, Op{Kind: Verify, Mount: name})
+			if op, ok := idleOp(name, a, now, true); ok {
+				ops = append(ops, op)
 			}
 			continue
 		}
@@ -132,12 +137,18 @@ func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Tim
 			if retry.IsZero() || due.Before(retry) {
 				retry = due
 			}
+			if op, ok := idleOp(name, a, now, true); ok {
+				ops = append(ops, op)
+			}
 			continue
 		}
 		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
-			if d == nil || d.Generation == f.Generation {
+			if d == nil || d.Generation == f.Generation || !f.PayloadCaused {
 				if retry.IsZero() || f.NextRetry.Before(retry) {
 					retry = f.NextRetry
+				}
+				if op, ok := idleOp(name, a, now, false); ok {
+					ops = append(ops, op)
 				}
 				continue
 			}
@@ -145,6 +156,22 @@ func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Tim
 		ops = append(ops, op)
 	}
 	return ops, retry
+}
+
+// idleOp is the operation of a projected mount whose next write must wait
+// (held back, quiescent, backing off): a verification when due and
+// verify allows it, else the collection of replaced versions whose grace
+// is over — which goes ahead in every state of a mount.
+func idleOp(name string, a *ActualMount, now time.Time, verify bool) (Op, bool) {
+	switch {
+	case a == nil:
+		return Op{}, false
+	case verify && a.VerifyDue:
+		return Op{Kind: Verify, Mount: name}, true
+	case !a.CollectAt.IsZero() && !now.Before(a.CollectAt):
+		return Op{Kind: Collect, Mount: name}, true
+	}
+	return Op{}, false
 }
 
 // planMount decides the operation for one mount, if any.

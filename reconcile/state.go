@@ -81,9 +81,18 @@ type Failure struct {
 	Count int
 	// NextRetry is the earliest time of the next attempt.
 	NextRetry time.Time
-	// Generation is the DSW generation the failed attempt used; a new one
-	// may retry at once, as its payload may fix the failure.
+	// Generation is the DSW generation the failed attempt used. When the
+	// failure was the payload's own (PayloadCaused), a new generation is
+	// tried at once, as its payload may fix it; a failure of the host
+	// waits for NextRetry whatever arrives.
 	Generation uint64
+	// PayloadCaused reports that the payload itself failed: a
+	// check_command veto, a path the atomic writer refused, a payload
+	// over a tmpfs's size_limit (see payloadFailure). Otherwise the host
+	// failed — the mount directory refused (replaced, unrecognised, a
+	// symlink), EIO, ENOSPC, EACCES, a tmpfs that cannot be mounted —
+	// which no new payload fixes.
+	PayloadCaused bool
 	// Err is the last failure.
 	Err error
 }
