@@ -35,5 +35,8 @@ func AdoptStopped(opts Options, mount string) error {
 	if err != nil {
 		return err
 	}
+	if err := owned.RemoveManifestDir(mount); err != nil {
+		return err
+	}
 	return owned.Delete(mount)
 }

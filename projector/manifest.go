@@ -21,32 +21,57 @@ import (
 )
 
 // A version's manifest: what its files are — paths, sizes, modes, owners,
-// inode numbers and SHA-256 hashes — written and fsynced inside the version
-// directory before the switch, like the files themselves. A restart adopts
-// a version from its manifest with one fstat per file and compares the
-// hashes with the desired payload, instead of reading every byte of every
-// file (adoption costs O(files), not O(bytes)); the byte-for-byte
-// comparison is left to the next verification (Verify). A version without
-// a manifest (written by an older kvmount), or with one that is torn or
-// does not match the disk, is adopted by reading, as before.
+// inode numbers and SHA-256 hashes — written and fsynced before the switch,
+// like the files themselves. A restart adopts a version from its manifest
+// with one fstat per file and compares the hashes with the desired payload,
+// instead of reading every byte of every file (adoption costs O(files), not
+// O(bytes)); the byte-for-byte comparison is left to the next verification
+// (Verify). A version without a manifest, or with one that is torn or does
+// not match the disk, is adopted by reading.
 //
-// The manifest is readable by kvmount's user only (0600): the hash of a
-// short secret would give it away. Its name begins with "..", which no
-// payload path may (CleanPath), so it never collides with a file.
+// Manifests live outside the mount, in a directory of the writer's own
+// (WriterOptions.ManifestDir: kvmount's state_dir/manifests/<mount>), one
+// file per version named after it: the mount holds the kubelet's layout
+// and nothing else, so that a program that reads every entry under ..data
+// meets only payload files, and no user who can write the mount can edit
+// kvmount's bookkeeping. A manifest is fsynced, and its directory with it,
+// before the switch to its version, so that power loss never leaves a
+// switched version whose manifest is missing or torn; a manifest whose
+// version is gone is removed with the leftovers. Manifests are readable by
+// kvmount's user only (0600): the hash of a short secret would give it
+// away.
+//
+// An earlier kvmount kept each manifest inside its version directory as
+// ..manifest; such a version is adopted by reading, and the next write
+// that finds it unchanged moves its manifest out (addManifest).
 
-// ManifestName is the manifest's name in a version directory, and
-// manifestTmpName the name it is written under when added to an existing
-// version (see addManifest).
+// Names of manifests.
 const (
-	ManifestName    = "..manifest"
-	manifestTmpName = "..manifest.tmp"
+	// legacyManifestName and legacyManifestTmpName are where an older
+	// kvmount kept a version's manifest: inside the version directory.
+	legacyManifestName    = "..manifest"
+	legacyManifestTmpName = "..manifest.tmp"
+	// manifestTmpSuffix ends the name a manifest is written under when
+	// added to an existing version (see addManifest).
+	manifestTmpSuffix = ".tmp"
 	// manifestFormat names the format; another is treated as missing.
 	manifestFormat = "kvmount-manifest/1"
-	// maxManifestSize bounds what is read of a manifest, in bytes: the
-	// version directory may belong to the mount's user (WriterOptions.DirUID),
-	// who could put anything there.
+	// maxManifestSize bounds what is read of a manifest, in bytes.
 	maxManifestSize = 64 << 20
 )
+
+// manifestFile returns the name of the manifest of the version directory
+// version in a writer's manifest directory: the version's name without its
+// leading "..".
+func manifestFile(version string) string { return strings.TrimPrefix(version, "..") }
+
+// versionOfManifest returns the version directory a file in a manifest
+// directory describes, and false for a name that is no manifest's (a
+// temporary file, anything else).
+func versionOfManifest(file string) (string, bool) {
+	version := ".." + file
+	return version, isVersionName(version) && !strings.HasSuffix(file, manifestTmpSuffix)
+}
 
 // manifestEntry is one file of a version.
 type manifestEntry struct {
@@ -122,13 +147,14 @@ func (p Payload) Digest() string {
 	return payloadDigest(entries)
 }
 
-// PeekDigest returns the payload digest recorded in the manifest of the
-// version that dir's ..data names, reading only the manifest's head, or
-// false when there is none (nothing projected, a version without a
-// manifest, anything unexpected). dir is opened without following a
-// symlink in any component; nothing read is trusted beyond a hint — the
-// adoption that follows checks everything again.
-func PeekDigest(dir string) (string, bool) {
+// PeekDigest returns the payload digest recorded in the manifest, kept in
+// manifestDir, of the version that dir's ..data names, reading only the
+// manifest's head, or false when there is none (nothing projected, a
+// version without a manifest, anything unexpected). dir and manifestDir are
+// opened without following a symlink in any component; nothing read is
+// trusted beyond a hint — the adoption that follows checks everything
+// again.
+func PeekDigest(dir, manifestDir string) (string, bool) {
 	d, err := fsutil.OpenDir(dir)
 	if err != nil {
 		return "", false
@@ -139,20 +165,16 @@ func PeekDigest(dir string) (string, bool) {
 	if err != nil || !isVersionName(string(buf[:n])) {
 		return "", false
 	}
-	vfd, err := unix.Openat(int(d.Fd()), string(buf[:n]), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	md, err := fsutil.OpenDir(manifestDir)
 	if err != nil {
 		return "", false
 	}
-	defer unix.Close(vfd)
-	fd, err := unix.Openat(vfd, ManifestName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	defer md.Close()
+	f, err := openManifest(md, manifestFile(string(buf[:n])))
 	if err != nil {
 		return "", false
 	}
-	f := os.NewFile(uintptr(fd), ManifestName)
 	defer f.Close()
-	if info, err := f.Stat(); err != nil || !info.Mode().IsRegular() {
-		return "", false
-	}
 	head := fmt.Sprintf(`{"format":%q,"digest":"`, manifestFormat)
 	want := make([]byte, len(head)+2*sha256.Size+1)
 	if _, err := io.ReadFull(f, want); err != nil || !bytes.HasPrefix(want, []byte(head)) || want[len(want)-1] != '"' {
@@ -165,7 +187,24 @@ func PeekDigest(dir string) (string, bool) {
 	return digest, true
 }
 
-// writeManifest writes m into the version directory dir as name, readable
+// openManifest opens the manifest name in the manifest directory dir for
+// reading: without following a symlink, without blocking on a FIFO, and
+// only if it is a regular file of kvmount's user within maxManifestSize
+// bytes; anything else is an error wrapping errNoManifest.
+func openManifest(dir *os.File, name string) (*os.File, error) {
+	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != os.Geteuid() || st.Size > maxManifestSize {
+		unix.Close(fd)
+		return nil, fmt.Errorf("%w: not a regular file of kvmount's user within %d bytes", errNoManifest, maxManifestSize)
+	}
+	return os.NewFile(uintptr(fd), name), nil
+}
+
+// writeManifest writes m into the manifest directory dir as name, readable
 // by kvmount's user only, created exclusively without following a symlink,
 // and fsyncs it when sync is set.
 func writeManifest(dir *os.File, name string, m *manifest, sync bool) (err error) {
@@ -216,24 +255,20 @@ var testHookManifest, testHookManifestWrite func()
 // (an older kvmount wrote it), torn, or of another format.
 var errNoManifest = errors.New("no usable manifest")
 
-// readManifest reads and checks the manifest of the version directory dir:
-// a regular file owned by kvmount's user, at most maxManifestSize bytes,
-// of this format, whose entries are sorted, clean and unique and add up to
-// its digest. Anything else is errNoManifest.
-func (w *AtomicWriter) readManifest(dir *os.File) (*manifest, error) {
-	fd, err := unix.Openat(int(dir.Fd()), ManifestName, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+// readManifest reads and checks the manifest of the version directory
+// version from the writer's manifest directory: a regular file owned by
+// kvmount's user, at most maxManifestSize bytes, of this format, whose
+// entries are sorted, clean and unique and add up to its digest. Anything
+// else — no manifest directory, no manifest — is errNoManifest.
+func (w *AtomicWriter) readManifest(version string) (*manifest, error) {
+	if w.manifests == nil {
+		return nil, fmt.Errorf("%w: the writer keeps no manifests", errNoManifest)
+	}
+	f, err := openManifest(w.manifests, manifestFile(version))
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
+		return nil, err
 	}
-	f := os.NewFile(uintptr(fd), ManifestName)
 	defer f.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("%w: %w", errNoManifest, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != w.uid || st.Size > maxManifestSize {
-		return nil, fmt.Errorf("%w: not a regular file of kvmount's user within %d bytes", errNoManifest, maxManifestSize)
-	}
 	data, err := io.ReadAll(io.LimitReader(f, maxManifestSize+1))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", errNoManifest, err)

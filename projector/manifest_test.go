@@ -3,9 +3,15 @@ package projector
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"testing"
+
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
 // manifestPayload is a payload with files at two depths.
@@ -142,7 +148,7 @@ func TestAdoptFromManifest(t *testing.T) {
 	} {
 		t.Run(name+" falls back to reading", func(t *testing.T) {
 			dir, version := written(t, payload)
-			if err := spoil(filepath.Join(version, ManifestName)); err != nil {
+			if err := spoil(manifestPath(dir, version)); err != nil {
 				t.Fatal(err)
 			}
 			ad, change, same := adoptAndWrite(t, dir, payload)
@@ -193,7 +199,7 @@ func TestVerifyRestoresTheManifest(t *testing.T) {
 	if _, err := w.Write(payload); err != nil {
 		t.Fatal(err)
 	}
-	m := filepath.Join(dir, w.Version(), ManifestName)
+	m := manifestPath(dir, w.Version())
 	for _, spoil := range []func() error{
 		func() error { return os.Remove(m) },
 		func() error { return os.WriteFile(m, []byte(`{"format":"kvmount-manifest/1"}`), 0o600) },
@@ -213,7 +219,7 @@ func TestVerifyRestoresTheManifest(t *testing.T) {
 func TestPeekDigest(t *testing.T) {
 	payload := manifestPayload()
 	dir, version := written(t, payload)
-	if got, ok := PeekDigest(dir); !ok || got != payload.Digest() {
+	if got, ok := PeekDigest(dir, manifestDir(t, dir)); !ok || got != payload.Digest() {
 		t.Errorf("PeekDigest = %q, %v; want %q", got, ok, payload.Digest())
 	}
 	other := manifestPayload()
@@ -221,13 +227,121 @@ func TestPeekDigest(t *testing.T) {
 	if other.Digest() == payload.Digest() {
 		t.Error("two payloads have the same digest")
 	}
-	if err := os.Remove(filepath.Join(version, ManifestName)); err != nil {
+	if err := os.Remove(manifestPath(dir, version)); err != nil {
 		t.Fatal(err)
 	}
-	if got, ok := PeekDigest(dir); ok {
+	if got, ok := PeekDigest(dir, manifestDir(t, dir)); ok {
 		t.Errorf("PeekDigest without a manifest = %q; want none", got)
 	}
-	if got, ok := PeekDigest(t.TempDir()); ok {
+	if got, ok := PeekDigest(t.TempDir(), manifestDir(t, dir)); ok {
 		t.Errorf("PeekDigest of an empty directory = %q; want none", got)
+	}
+}
+
+// TestMountHoldsTheKubeletsLayoutOnly is issue 25's fourth finding: the
+// manifest lives outside the mount, so that a real unprivileged user who
+// owns the payload and reads every entry under ..data (find -type f, as a
+// recursive config loader does) meets payload files only, all readable —
+// where a root-owned ..manifest beside them made it fail with EACCES.
+func TestMountHoldsTheKubeletsLayoutOnly(t *testing.T) {
+	u := roottest.NewUser(t)
+	dir := filepath.Join(roottest.TempDir(t), "mount")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	w, err := OpenAtomicWriter(dir, WriterOptions{Sync: true, ManifestDir: manifestDir(t, dir), DirUID: u.UID, DirGID: u.GID, DirMode: 0o700})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	owned := func(data string) File { return File{Data: []byte(data), Mode: 0o400, UID: u.UID, GID: u.GID} }
+	for _, payload := range []Payload{
+		{"app.conf": owned("a"), "tls/key.pem": owned("k")},
+		{"app.conf": owned("b"), "tls/key.pem": owned("k"), "extra/x": owned("x")},
+	} {
+		if _, err := w.Write(payload); err != nil {
+			t.Fatal(err)
+		}
+		out := u.Run(t, fmt.Sprintf("cd %s/..data/ && find . -type f | sort && find . -type f -exec cat {} +", dir))
+		var want []string
+		for _, p := range payload.Paths() {
+			want = append(want, "./"+p)
+		}
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if got := strings.Join(lines[:len(lines)-1], "\n"); got != strings.Join(want, "\n") {
+			t.Errorf("find -type f under ..data as the mount's user:\n%s\nwant only the payload:\n%s", got, strings.Join(want, "\n"))
+		}
+		var version []string
+		for _, e := range mustReadDir(t, filepath.Join(dir, w.Version())) {
+			version = append(version, e.Name())
+		}
+		for _, name := range version {
+			if strings.HasPrefix(name, "..") {
+				t.Errorf("version %s holds %s", w.Version(), name)
+			}
+		}
+	}
+	// The manifests are root's, beside the mount, one per version kept.
+	if _, err := os.Stat(manifestPath(dir, w.Version())); err != nil {
+		t.Errorf("the current version's manifest: %v", err)
+	}
+}
+
+// mustReadDir lists dir.
+func mustReadDir(t *testing.T, dir string) []os.DirEntry {
+	t.Helper()
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return entries
+}
+
+// TestLegacyManifestMovesOut: a version an older kvmount wrote, with its
+// ..manifest inside, is adopted by reading; the next write that finds it
+// unchanged keeps the version, writes its manifest beside the mount and
+// removes the one inside.
+func TestLegacyManifestMovesOut(t *testing.T) {
+	payload := manifestPayload()
+	dir, version := written(t, payload)
+	if err := os.Rename(manifestPath(dir, version), filepath.Join(version, legacyManifestName)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(version, legacyManifestTmpName), []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ad, change, same := adoptAndWrite(t, dir, payload)
+	if ad.FromManifest || !errors.Is(ad.ManifestErr, errNoManifest) || !change.Empty() || !same {
+		t.Errorf("Adopt = %+v, change %+v, version kept %v; want adopted by reading, nothing written", ad, change, same)
+	}
+	for _, legacy := range []string{legacyManifestName, legacyManifestTmpName} {
+		if _, err := os.Lstat(filepath.Join(version, legacy)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s is still in the version: %v", legacy, err)
+		}
+	}
+}
+
+// TestOrphanManifestsArePruned: adoption removes the manifests of versions
+// that are gone and the temporary files of an interrupted addManifest, and
+// keeps the current version's.
+func TestOrphanManifestsArePruned(t *testing.T) {
+	payload := manifestPayload()
+	dir, version := written(t, payload)
+	md := manifestDir(t, dir)
+	for _, name := range []string{"2020_01_01_00_00_00.000000001", "2020_01_01_00_00_00.000000002.tmp", manifestFile(filepath.Base(version)) + ".tmp"} {
+		if err := os.WriteFile(filepath.Join(md, name), []byte("{}"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ad, _, _ := adoptAndWrite(t, dir, payload)
+	if !ad.FromManifest {
+		t.Errorf("Adopt = %+v; want from the manifest", ad)
+	}
+	var left []string
+	for _, e := range mustReadDir(t, md) {
+		left = append(left, e.Name())
+	}
+	if want := []string{manifestFile(filepath.Base(version))}; !slices.Equal(left, want) {
+		t.Errorf("manifest directory holds %v; want %v", left, want)
 	}
 }

@@ -133,7 +133,7 @@ func TestPrepareTakesOverADirectoryWithADefaultACL(t *testing.T) {
 	if st.Uid != 0 || st.Mode&0o7777 != 0o750 {
 		t.Errorf("mount directory owner %d mode %o; want 0, 750", st.Uid, st.Mode&0o7777)
 	}
-	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{DirMode: 0o750, DirUID: 0, DirGID: 0})
+	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{ManifestDir: manifestDir(t, dir), DirMode: 0o750, DirUID: 0, DirGID: 0})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,7 +206,7 @@ func TestFailedBuildLeavesNothing(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer md.File.Close()
-	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{DirUID: -1, DirGID: -1})
+	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1})
 	if err != nil {
 		t.Fatal(err)
 	}

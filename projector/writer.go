@@ -44,8 +44,8 @@ var (
 	ErrVersionVanished = errors.New("the new version directory vanished")
 )
 
-// DefaultGrace is how long the previous version stays after a switch by
-// default (WriterOptions.Grace).
+// DefaultGrace is how long kvmount keeps a replaced version after a switch
+// unless configured otherwise (keep_replaced; WriterOptions.Grace).
 const DefaultGrace = 5 * time.Second
 
 // WriterOptions configure an AtomicWriter.
@@ -74,8 +74,17 @@ type WriterOptions struct {
 	// Grace has passed — but at most MaxRetired replaced versions are
 	// kept: under back-to-back writes the oldest goes first, whatever its
 	// age; and a Write that finds the file system full removes them all.
-	// Zero means DefaultGrace.
+	// Zero removes it at the end of the Write that replaced it, as the
+	// kubelet does: a program that watches a file itself (inotify on the
+	// path, which reaches the file inside the version) learns of the
+	// change at once, and a reader that resolved ..data just before may
+	// find its files gone. kvmount's default is DefaultGrace.
 	Grace time.Duration
+	// ManifestDir is the directory, outside the mount, where the writer
+	// keeps its versions' manifests (see manifest.go): one it alone uses,
+	// reached without a symlink in any component. "" keeps none: every
+	// adoption then reads every file.
+	ManifestDir string
 }
 
 // AtomicWriter writes payloads into one mount directory so that readers move
@@ -121,9 +130,12 @@ type AtomicWriter struct {
 	dir  string
 	root *os.Root
 	// ident identifies the directory root holds.
-	ident   fsutil.Ident
-	opts    WriterOptions
-	adopted bool
+	ident fsutil.Ident
+	// manifests is the manifest directory (WriterOptions.ManifestDir)
+	// held open, nil without one.
+	manifests *os.File
+	opts      WriterOptions
+	adopted   bool
 	// current is the version on disk, or nil when the directory is empty or
 	// its content is unknown (after drift), which makes the next Write
 	// rewrite every file.
@@ -302,7 +314,7 @@ func OpenAtomicWriter(dir string, opts WriterOptions) (*AtomicWriter, error) {
 // OpenAtomicWriterAt returns a writer for the directory d holds open, whose
 // path is dir (for errors, and to find out later whether the path still
 // reaches it). d stays the caller's to close; the writer opens its own
-// handle on the same directory.
+// handle on the same directory, and on opts.ManifestDir, which must exist.
 func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWriter, error) {
 	ident, err := fsutil.IdentOf(d)
 	if err != nil {
@@ -315,10 +327,15 @@ func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWrit
 	if opts.DirMode == 0 {
 		opts.DirMode = 0o755
 	}
-	if opts.Grace <= 0 {
-		opts.Grace = DefaultGrace
+	opts.Grace = max(opts.Grace, 0)
+	w := &AtomicWriter{dir: dir, root: root, ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}
+	if opts.ManifestDir != "" {
+		if w.manifests, err = fsutil.OpenDir(opts.ManifestDir); err != nil {
+			root.Close()
+			return nil, fmt.Errorf("atomic writer: manifests: %w", err)
+		}
 	}
-	return &AtomicWriter{dir: dir, root: root, ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}, nil
+	return w, nil
 }
 
 // Candidate is a new version that a Check may refuse before the switch.
@@ -357,8 +374,13 @@ func (w *AtomicWriter) Version() string {
 	return w.current.name
 }
 
-// Close releases the mount directory.
-func (w *AtomicWriter) Close() error { return w.root.Close() }
+// Close releases the mount directory and the manifest directory.
+func (w *AtomicWriter) Close() error {
+	if w.manifests != nil {
+		w.manifests.Close()
+	}
+	return w.root.Close()
+}
 
 // Write projects payload into the mount directory (see AtomicWriter for the
 // steps) and returns what changed. Nothing is written when data, modes and

@@ -3,6 +3,7 @@ package projector
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -136,15 +137,15 @@ func (w *AtomicWriter) adopt(entries []mountEntry) (Adoption, error) {
 // missing or torn manifest is errNoManifest; one that differs from the
 // disk, ErrDrift.
 func (w *AtomicWriter) adoptManifest(name string) (*version, error) {
+	m, err := w.readManifest(name)
+	if err != nil {
+		return nil, err
+	}
 	d, err := w.openVersion(name)
 	if err != nil {
 		return nil, err
 	}
 	defer d.Close()
-	m, err := w.readManifest(d)
-	if err != nil {
-		return nil, err
-	}
 	if err := w.matchesDisk(m, d); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrDrift, err)
 	}
@@ -287,11 +288,14 @@ func (w *AtomicWriter) verify() error {
 // reading — and writes it anew if not (a manifest removed or edited by
 // hand is not drift of the content readers see).
 func (w *AtomicWriter) checkManifest() error {
+	if w.manifests == nil {
+		return nil
+	}
 	d, err := w.openVersion(w.current.name)
 	if err != nil {
 		return err
 	}
-	m, err := w.readManifest(d)
+	m, err := w.readManifest(w.current.name)
 	if err == nil {
 		err = w.matchesDisk(m, d)
 	}
@@ -303,11 +307,16 @@ func (w *AtomicWriter) checkManifest() error {
 }
 
 // addManifest writes the manifest of the current version, whose bytes are
-// known (payload), into its directory: under ..manifest.tmp, fsynced, then
-// renamed over ..manifest, and the directory fsynced. A crash in between
-// leaves a ..manifest.tmp that adoption ignores.
+// known (payload), into the manifest directory: under its name with
+// manifestTmpSuffix, fsynced, then renamed over its name, and the directory
+// fsynced. A crash in between leaves a temporary file that adoption
+// removes. A manifest an older kvmount left inside the version directory
+// is removed then. Without a manifest directory it does nothing.
 func (w *AtomicWriter) addManifest() error {
 	v := w.current
+	if w.manifests == nil {
+		return nil
+	}
 	d, err := w.openVersion(v.name)
 	if err != nil {
 		return err
@@ -327,21 +336,63 @@ func (w *AtomicWriter) addManifest() error {
 	}
 	delete(dirs, ".") // closed by the defer above
 	defer dirs.close()
-	if err := unix.Unlinkat(int(d.Fd()), manifestTmpName, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+	mfd := int(w.manifests.Fd())
+	name := manifestFile(v.name)
+	tmp := name + manifestTmpSuffix
+	if err := unix.Unlinkat(mfd, tmp, 0); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
-	if err := writeManifest(d, manifestTmpName, newManifest(entries), w.opts.Sync); err != nil {
+	if err := writeManifest(w.manifests, tmp, newManifest(entries), w.opts.Sync); err != nil {
 		return err
 	}
-	if err := unix.Renameat(int(d.Fd()), manifestTmpName, int(d.Fd()), ManifestName); err != nil {
+	if err := unix.Renameat(mfd, tmp, mfd, name); err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
 	if w.opts.Sync {
-		if err := syncFile(d); err != nil {
-			return fmt.Errorf("atomic writer: fsync %s: %w", v.name, err)
+		if err := syncFile(w.manifests); err != nil {
+			return fmt.Errorf("atomic writer: fsync %s: %w", w.manifests.Name(), err)
+		}
+	}
+	// An older kvmount's manifest inside the version goes: the mount
+	// holds payload files only.
+	for _, legacy := range []string{legacyManifestName, legacyManifestTmpName} {
+		if err := unix.Unlinkat(int(d.Fd()), legacy, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("atomic writer: remove %s of version %s: %w", legacy, v.name, err)
 		}
 	}
 	v.noManifest = false
+	return nil
+}
+
+// pruneManifests removes from the manifest directory every file that is
+// not the manifest of a version in keep: manifests of versions removed
+// meanwhile (a crash between a version's removal and its manifest's),
+// temporary files of an interrupted addManifest.
+func (w *AtomicWriter) pruneManifests(keep ...string) error {
+	if w.manifests == nil {
+		return nil
+	}
+	fd, err := unix.FcntlInt(w.manifests.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("atomic writer: manifests: %w", err)
+	}
+	d := os.NewFile(uintptr(fd), w.manifests.Name())
+	defer d.Close()
+	if _, err := d.Seek(0, io.SeekStart); err != nil {
+		return fmt.Errorf("atomic writer: manifests: %w", err)
+	}
+	names, err := d.Readdirnames(-1)
+	if err != nil {
+		return fmt.Errorf("atomic writer: manifests: %w", err)
+	}
+	for _, name := range names {
+		if version, ok := versionOfManifest(name); ok && slices.Contains(keep, version) {
+			continue
+		}
+		if err := unix.Unlinkat(fd, name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("atomic writer: remove manifest %s: %w", name, err)
+		}
+	}
 	return nil
 }
 
@@ -391,6 +442,7 @@ func (w *AtomicWriter) Teardown() error {
 		}
 	}
 	w.current, w.retired = nil, nil
+	errs = append(errs, w.pruneManifests())
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("atomic writer: teardown %s: %w", w.dir, err)
 	}
@@ -438,7 +490,10 @@ func (w *AtomicWriter) removeLeftoversOf(entries []mountEntry, keep string) erro
 			return fmt.Errorf("atomic writer: remove leftover: %w", err)
 		}
 	}
-	return nil
+	if keep == "" {
+		return w.pruneManifests()
+	}
+	return w.pruneManifests(keep)
 }
 
 // readVersion reads every file of the version directory name. Anything but
@@ -453,7 +508,7 @@ func (w *AtomicWriter) readVersion(name string) (Payload, error) {
 			return nil
 		}
 		if path.Dir(p) == name && strings.HasPrefix(d.Name(), "..") {
-			return nil // the manifest, or a stale ..manifest.tmp
+			return nil // an older kvmount's manifest, or its temporary file
 		}
 		if !d.Type().IsRegular() {
 			return fmt.Errorf("%s is not a regular file", p)

@@ -87,20 +87,27 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		}
 		entries = append(entries, entry)
 	}
-	if err := writeManifest(newDirs["."], ManifestName, newManifest(entries), false); err != nil {
+	if err := syncs.flush(); err != nil {
 		return "", builtVersion{}, err
 	}
-	if w.opts.Sync {
-		// The manifest too, with the last files.
-		m, err := w.openAt(newDirs["."], ManifestName)
-		if err != nil {
+	if w.manifests != nil {
+		mname := manifestFile(name)
+		// A leftover of the same name (of a version removed by hand).
+		_ = unix.Unlinkat(int(w.manifests.Fd()), mname, 0)
+		if err := writeManifest(w.manifests, mname, newManifest(entries), w.opts.Sync); err != nil {
+			_ = unix.Unlinkat(int(w.manifests.Fd()), mname, 0)
 			return "", builtVersion{}, err
 		}
-		if err := syncs.add(m); err != nil {
-			return "", builtVersion{}, err
-		}
-		if err := syncs.flush(); err != nil {
-			return "", builtVersion{}, err
+		defer func() {
+			if err != nil {
+				_ = unix.Unlinkat(int(w.manifests.Fd()), mname, 0)
+			}
+		}()
+		if w.opts.Sync {
+			// Durable before the switch to its version.
+			if err := syncFile(w.manifests); err != nil {
+				return "", builtVersion{}, fmt.Errorf("atomic writer: fsync %s: %w", w.manifests.Name(), err)
+			}
 		}
 	}
 	if w.opts.Sync {
@@ -125,16 +132,6 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
 	}
 	return name, built, nil
-}
-
-// openAt opens the regular file base in dir for fsync, not following a
-// symlink.
-func (w *AtomicWriter) openAt(dir *os.File, base string) (*os.File, error) {
-	fd, err := unix.Openat(int(dir.Fd()), base, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("atomic writer: open %s: %w", base, err)
-	}
-	return os.NewFile(uintptr(fd), base), nil
 }
 
 // builtVersion identifies a version directory just built.

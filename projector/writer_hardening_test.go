@@ -96,8 +96,9 @@ func TestFsyncErrorAfterSwitchKeepsTheVersion(t *testing.T) {
 	calls := 0
 	syncFile = func(f *os.File) error {
 		calls++
-		// The build syncs the mount directory once, the switch once more.
-		if calls == 2 {
+		// The build syncs the manifest directory and the mount
+		// directory once each, the switch the mount directory once more.
+		if calls == 3 {
 			return syscall.EIO
 		}
 		return f.Sync()
@@ -118,7 +119,7 @@ func TestFsyncErrorAfterSwitchKeepsTheVersion(t *testing.T) {
 // than MaxRetired.
 func TestReplacedVersionsKeptForGrace(t *testing.T) {
 	dir := t.TempDir()
-	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
+	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,7 +190,7 @@ func TestReplacedVersionsMakeRoom(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer md.File.Close()
-	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{DirUID: -1, DirGID: -1, Grace: time.Hour})
+	w, err := OpenAtomicWriterAt(dir, md.File, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,12 +207,14 @@ func TestReplacedVersionsMakeRoom(t *testing.T) {
 }
 
 // TestVisibleReadersNeverSeeENOENT reads visible names in two goroutines
-// while a writer replaces every file back to back: not one read may fail.
-// With the previous version removed right after the switch (the kubelet's
-// order) this failed about once in 6,600 reads.
+// while a writer with the default grace (keep_replaced = 5 s) replaces
+// every file back to back: not one read may fail. With the previous
+// version removed right after the switch (Grace 0, the kubelet's order)
+// this failed about once in 6,600 reads (BenchmarkReplacedGrace measures
+// both).
 func TestVisibleReadersNeverSeeENOENT(t *testing.T) {
 	dir := t.TempDir()
-	w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1})
+	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: DefaultGrace})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -326,7 +329,7 @@ func TestDirectoryModesFollowOptions(t *testing.T) {
 		mode     fs.FileMode
 		uid, gid int
 	}{{0o755, -1, -1}, {0o700, 4321, 8765}, {0o750, 4321, 8765}} {
-		w, err := OpenAtomicWriter(dir, WriterOptions{DirMode: tc.mode, DirUID: tc.uid, DirGID: tc.gid})
+		w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirMode: tc.mode, DirUID: tc.uid, DirGID: tc.gid})
 		if err != nil {
 			t.Fatal(err)
 		}

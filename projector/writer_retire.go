@@ -90,7 +90,21 @@ func (w *AtomicWriter) CollectDue() time.Time {
 // holds open: each known file is unlinked relative to its directory's
 // handle, then the directories, deepest first. Anything left over (a file
 // added by hand) makes it fall back to removing the whole tree by path.
+// Its manifest goes last.
 func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
+	if err := w.removeVersionDir(v, dirs); err != nil {
+		return err
+	}
+	if w.manifests != nil {
+		if err := unix.Unlinkat(int(w.manifests.Fd()), manifestFile(v.name), 0); err != nil && !errors.Is(err, unix.ENOENT) {
+			return fmt.Errorf("atomic writer: remove the manifest of %s: %w", v.name, err)
+		}
+	}
+	return nil
+}
+
+// removeVersionDir is removeVersion's removal of the directory.
+func (w *AtomicWriter) removeVersionDir(v *version, dirs dirHandles) error {
 	if dirs["."] == nil {
 		// Not held open by the caller: open it now.
 		d, err := w.openVersion(v.name)
@@ -111,7 +125,7 @@ func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
 		_ = unix.Unlinkat(int(d.Fd()), path.Base(p), 0)
 	}
 	clean := true
-	_ = unix.Unlinkat(int(dirs["."].Fd()), ManifestName, 0)
+	_ = unix.Unlinkat(int(dirs["."].Fd()), legacyManifestName, 0)
 	for _, dir := range slices.Backward(slices.Sorted(maps.Keys(v.dirs()))) {
 		parent := dirs.open(path.Dir(dir))
 		if parent == nil || unix.Unlinkat(int(parent.Fd()), path.Base(dir), unix.AT_REMOVEDIR) != nil {

@@ -18,9 +18,26 @@ func file(data string, mode fs.FileMode) File {
 	return File{Data: []byte(data), Mode: mode, UID: os.Geteuid(), GID: os.Getegid()}
 }
 
+// manifestDir returns the directory where the tests' writers of the mount
+// directory dir keep their manifests, beside it, creating it.
+func manifestDir(t testing.TB, dir string) string {
+	t.Helper()
+	md := dir + ".manifests"
+	if err := os.MkdirAll(md, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return md
+}
+
+// manifestPath returns the path of the manifest of version in the mount
+// directory dir.
+func manifestPath(dir, version string) string {
+	return filepath.Join(dir+".manifests", manifestFile(filepath.Base(version)))
+}
+
 func newWriter(t *testing.T, dir string) *AtomicWriter {
 	t.Helper()
-	w, err := OpenAtomicWriter(dir, WriterOptions{Sync: true, DirUID: -1, DirGID: -1})
+	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), Sync: true, DirUID: -1, DirGID: -1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,8 +97,9 @@ func checkMount(t *testing.T, dir string, want Payload) {
 			return err
 		}
 		rel, _ := filepath.Rel(root, p)
-		if rel == ManifestName {
-			return nil // checked below
+		if !strings.Contains(rel, "/") && strings.HasPrefix(rel, "..") {
+			t.Errorf("the version holds %s: a mount holds the kubelet's layout and nothing else", rel)
+			return nil
 		}
 		// Read through the visible symlink, as a reader would.
 		data, err := os.ReadFile(filepath.Join(dir, rel))
@@ -102,22 +120,22 @@ func checkMount(t *testing.T, dir string, want Payload) {
 	if !got.Equal(want) {
 		t.Errorf("mount holds %v; want %v", describe(got), describe(want))
 	}
-	checkManifest(t, root, want)
+	checkManifest(t, manifestPath(dir, target), root, want)
 }
 
-// checkManifest asserts that the version directory root holds a manifest
-// readable by its owner only that records want, with the inode of each
-// file, and adds up to its digest.
-func checkManifest(t *testing.T, root string, want Payload) {
+// checkManifest asserts that the manifest at path, readable by its owner
+// only, records want, with the inode of each file of the version directory
+// root, and adds up to its digest.
+func checkManifest(t *testing.T, path, root string, want Payload) {
 	t.Helper()
-	info, err := os.Lstat(filepath.Join(root, ManifestName))
+	info, err := os.Lstat(path)
 	if err != nil {
 		t.Fatalf("manifest: %v", err)
 	}
 	if info.Mode() != 0o600 {
 		t.Errorf("manifest mode %v; want -rw-------", info.Mode())
 	}
-	data, err := os.ReadFile(filepath.Join(root, ManifestName))
+	data, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -566,7 +584,7 @@ func FuzzWrite(f *testing.F) {
 		if err := os.Mkdir(dir, 0o755); err != nil {
 			t.Fatal(err)
 		}
-		w, err := OpenAtomicWriter(dir, WriterOptions{DirUID: -1, DirGID: -1})
+		w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -577,7 +595,7 @@ func FuzzWrite(f *testing.F) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if len(outside) != 1 || outside[0].Name() != "mount" {
+		if len(outside) != 2 || outside[0].Name() != "mount" || outside[1].Name() != "mount.manifests" {
 			t.Fatalf("Write(%q, %q) created %v beside the mount", p1, p2, names(outside))
 		}
 		shared, err := os.ReadDir(base)

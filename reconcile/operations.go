@@ -98,9 +98,10 @@ func medium(spec *config.Mount) projector.Medium {
 // project writes payload into the mount, opening (and adopting) its
 // directory first if needed.
 func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, payload projector.Payload) (projector.Change, error) {
-	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID || rt.spec.DirMode != spec.DirMode || rt.spec.SizeLimit != spec.SizeLimit) {
-		// The writer and the tmpfs carry the directories' owner and mode
-		// and the size: open them anew.
+	if rt.writer != nil && (rt.spec.UID != spec.UID || rt.spec.GID != spec.GID || rt.spec.DirMode != spec.DirMode || rt.spec.SizeLimit != spec.SizeLimit ||
+		rt.spec.KeepReplaced != spec.KeepReplaced) {
+		// The writer and the tmpfs carry the directories' owner and mode,
+		// the size and the grace: open them anew.
 		rt.writer.Close()
 		rt.writer = nil
 	}
@@ -255,11 +256,22 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	}
 	defer md.File.Close()
 	rec.Ident, rec.TmpfsIdent, rec.Marker = md.Owner.Dir, md.Owner.Tmpfs, md.Owner.Marker
+	// A tmpfs mount keeps no manifest: the hashes of its files (secrets,
+	// mostly) would reach the disk, where the files never do. Its
+	// adoption reads the files, from memory.
+	manifests := ""
+	if spec.Medium == config.MediumDisk {
+		if manifests, err = r.owned.MakeManifestDir(name); err != nil {
+			return fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
 	w, err := projector.OpenAtomicWriterAt(spec.Dir, md.File, projector.WriterOptions{
-		Sync:    spec.Medium == config.MediumDisk,
-		DirMode: spec.DirMode,
-		DirUID:  spec.UID,
-		DirGID:  spec.GID,
+		Sync:        spec.Medium == config.MediumDisk,
+		DirMode:     spec.DirMode,
+		DirUID:      spec.UID,
+		DirGID:      spec.GID,
+		Grace:       spec.KeepReplaced,
+		ManifestDir: manifests,
 	})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
@@ -318,15 +330,16 @@ func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
 		closeWriter()
-		return r.owned.Delete(name)
+		return r.forget(name)
 	case errors.Is(err, fsutil.ErrReplaced) || errors.Is(err, fsutil.ErrSymlink) || errors.Is(err, fsutil.ErrNotDir):
 		closeWriter()
 		r.log.Warn("mount directory replaced by someone else: left untouched, and the mount forgotten", "mount", name, "dir", dir, "err", err)
-		return r.owned.Delete(name)
+		return r.forget(name)
 	case err != nil:
 		return fmt.Errorf("mount %q: refusing to tear down: %w", name, err)
 	}
 	closeWriter()
+	// Without its manifests, which forget removes.
 	w, err := projector.OpenAtomicWriterAt(dir, d, projector.WriterOptions{DirUID: -1, DirGID: -1})
 	d.Close()
 	if err != nil {
@@ -343,6 +356,15 @@ func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 		r.log.Warn("mount directory kept: it holds files kvmount did not write", "mount", name, "dir", dir, "err", err)
 	case err != nil:
 		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	return r.forget(name)
+}
+
+// forget removes what kvmount keeps of a mount in its state directory:
+// its manifests and its record.
+func (r *Reconciler) forget(name string) error {
+	if err := r.owned.RemoveManifestDir(name); err != nil {
+		return err
 	}
 	return r.owned.Delete(name)
 }

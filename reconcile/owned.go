@@ -11,14 +11,19 @@ import (
 	"sync"
 
 	"github.com/google/renameio/v2"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/projector"
 )
 
 // ownedFile is the name of the record of owned mounts in the state
-// directory.
-const ownedFile = "mounts.json"
+// directory, and manifestsDir the directory in it that holds, for each
+// mount, the manifests of its versions (projector.WriterOptions.ManifestDir).
+const (
+	ownedFile    = "mounts.json"
+	manifestsDir = "manifests"
+)
 
 // Record is what kvmount remembers of a mount it owns.
 type Record struct {
@@ -69,7 +74,8 @@ func sameIdent(a, b *fsutil.Ident) bool {
 // up all of them at once; written one by one, the record was marshalled and
 // fsynced 1,000 times, each time whole.
 type Owned struct {
-	path string
+	path     string
+	stateDir string
 
 	mu      sync.Mutex
 	written *sync.Cond // signalled, with mu, when a write ends
@@ -94,7 +100,7 @@ func LoadOwned(stateDir string) (*Owned, error) {
 	if err := os.MkdirAll(stateDir, 0o700); err != nil {
 		return nil, fmt.Errorf("state: %w", err)
 	}
-	o := &Owned{path: filepath.Join(stateDir, ownedFile), records: map[string]Record{}}
+	o := &Owned{path: filepath.Join(stateDir, ownedFile), stateDir: stateDir, records: map[string]Record{}}
 	o.written = sync.NewCond(&o.mu)
 	data, err := os.ReadFile(o.path)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -114,6 +120,64 @@ func LoadOwned(stateDir string) (*Owned, error) {
 		o.records = st.Mounts
 	}
 	return o, nil
+}
+
+// ManifestDir returns the directory that holds the manifests of mount's
+// versions: state_dir/manifests/<mount>.
+func (o *Owned) ManifestDir(mount string) string {
+	return filepath.Join(o.stateDir, manifestsDir, mount)
+}
+
+// MakeManifestDir creates mount's manifest directory (ManifestDir) and
+// its parent when missing, mode 0700, without following a symlink in any
+// component, and returns its path.
+func (o *Owned) MakeManifestDir(mount string) (string, error) {
+	dir := o.ManifestDir(mount)
+	parent, _, err := fsutil.MakeDir(filepath.Dir(dir), 0o700, -1, -1)
+	if err != nil {
+		return "", fmt.Errorf("state: %w", err)
+	}
+	defer parent.Close()
+	d, _, err := fsutil.MakeDirAt(parent, mount, 0o700, -1, -1)
+	if err != nil {
+		return "", fmt.Errorf("state: %w", err)
+	}
+	d.Close()
+	return dir, nil
+}
+
+// RemoveManifestDir removes mount's manifest directory and the manifests
+// in it; a missing one is no error.
+func (o *Owned) RemoveManifestDir(mount string) error {
+	dir := o.ManifestDir(mount)
+	d, err := fsutil.OpenDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("state: %w", err)
+	}
+	names, err := d.Readdirnames(-1)
+	for _, name := range names {
+		if err == nil {
+			if err = unix.Unlinkat(int(d.Fd()), name, 0); errors.Is(err, unix.ENOENT) {
+				err = nil
+			}
+		}
+	}
+	d.Close()
+	if err != nil {
+		return fmt.Errorf("state: remove the manifests of mount %q: %w", mount, err)
+	}
+	parent, err := fsutil.OpenDir(filepath.Dir(dir))
+	if err != nil {
+		return fmt.Errorf("state: %w", err)
+	}
+	defer parent.Close()
+	if err := unix.Unlinkat(int(parent.Fd()), mount, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("state: remove the manifests of mount %q: %w", mount, err)
+	}
+	return nil
 }
 
 // All returns a copy of every record, by mount name.

@@ -163,7 +163,7 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 		a := &ActualMount{Dir: rec.Dir, Medium: rec.Medium}
 		r.asw.Mounts[name] = a
 		peeks.Go(func() error {
-			a.DiskDigest, _ = projector.PeekDigest(rec.Dir)
+			a.DiskDigest, _ = projector.PeekDigest(rec.Dir, owned.ManifestDir(name))
 			return nil
 		})
 	}
@@ -229,13 +229,13 @@ func (r *Reconciler) adopt(mount string) error {
 	if r.asw.InFlight[mount] {
 		return fmt.Errorf("mount %q: an operation on it is under way; try again in a moment", mount)
 	}
-	if err := r.owned.Delete(mount); err != nil {
-		return err
-	}
 	if rt := r.runtimes[mount]; rt != nil && rt.writer != nil {
 		// Opened anew, as a directory kvmount does not own yet.
 		rt.writer.Close()
 		rt.writer = nil
+	}
+	if err := r.forget(mount); err != nil {
+		return err
 	}
 	delete(r.asw.Failures, mount)
 	if a := r.asw.Mounts[mount]; a != nil {

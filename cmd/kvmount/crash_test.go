@@ -44,11 +44,11 @@ func checkComplete(t *testing.T, dir string, projected bool) string {
 	if err != nil {
 		t.Fatalf("..data names %s, which cannot be read: %v", current, err)
 	}
-	if len(entries) != crashKeys+1 {
-		t.Fatalf("version %s holds %d files; want %d and its manifest", current, len(entries), crashKeys)
+	if len(entries) != crashKeys {
+		t.Fatalf("version %s holds %d files; want %d", current, len(entries), crashKeys)
 	}
 	// The manifest belongs to its version: whole, listing every key.
-	if m, err := readCrashManifest(filepath.Join(dir, current)); err != nil {
+	if m, err := readCrashManifest(dir, current); err != nil {
 		t.Fatalf("version %s: %v", current, err)
 	} else if len(m.Files) != crashKeys {
 		t.Fatalf("version %s: the manifest lists %d files; want %d", current, len(m.Files), crashKeys)
@@ -77,9 +77,17 @@ func checkComplete(t *testing.T, dir string, projected bool) string {
 	return value
 }
 
-// readCrashManifest reads the manifest of the version directory dir.
-func readCrashManifest(dir string) (*struct{ Files []json.RawMessage }, error) {
-	data, err := os.ReadFile(filepath.Join(dir, "..manifest"))
+// manifestOf returns the path of the manifest of the version directory
+// version of the mount directory dir: in the state directory beside the
+// mounts (newEnv's layout), named after the version without its "..".
+func manifestOf(dir, version string) string {
+	return filepath.Join(filepath.Dir(filepath.Dir(dir)), "state", "manifests", filepath.Base(dir), strings.TrimPrefix(version, ".."))
+}
+
+// readCrashManifest reads the manifest of version in the mount directory
+// dir.
+func readCrashManifest(dir, version string) (*struct{ Files []json.RawMessage }, error) {
+	data, err := os.ReadFile(manifestOf(dir, version))
 	if err != nil {
 		return nil, err
 	}
@@ -95,7 +103,7 @@ func readCrashManifest(dir string) (*struct{ Files []json.RawMessage }, error) {
 // by KVMOUNT_TEST_MANIFEST_PAUSE half way.
 func tornManifest(dir string) bool {
 	for _, name := range leftoversQuiet(dir) {
-		if data, err := os.ReadFile(filepath.Join(dir, name, "..manifest")); err == nil && !json.Valid(data) {
+		if data, err := os.ReadFile(manifestOf(dir, name)); err == nil && !json.Valid(data) {
 			return true
 		}
 	}
