@@ -56,6 +56,9 @@ const (
 	DefaultMaxFiles = 10_000
 	// DefaultCheckTimeout bounds a mount's check_command.
 	DefaultCheckTimeout = 30 * time.Second
+	// DefaultKeepReplaced is how long a replaced version stays after a
+	// switch (keep_replaced; projector.WriterOptions.Grace).
+	DefaultKeepReplaced = projector.DefaultGrace
 )
 
 // Medium names.
@@ -78,6 +81,9 @@ type Config struct {
 	// repair drift (a file removed by hand). Changes from sources never
 	// wait for it.
 	ResyncInterval time.Duration
+	// KeepReplaced is the default of the mounts' KeepReplaced
+	// (keep_replaced).
+	KeepReplaced time.Duration
 	// Sources by name.
 	Sources map[string]*Source
 	// Mounts in file order.
@@ -171,6 +177,11 @@ type Mount struct {
 	// MaxFiles is the most files a payload may hold (max_files), on every
 	// medium; a tmpfs is mounted with an inode limit to match.
 	MaxFiles int
+	// KeepReplaced is how long a replaced version directory stays after
+	// a switch, for readers that resolved ..data just before it
+	// (keep_replaced, default 5 s); zero removes it right after the
+	// switch, as the kubelet does.
+	KeepReplaced time.Duration
 }
 
 // Projection is one source and prefix of a mount.
@@ -231,6 +242,7 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 	_ = cfg.LogLevel.UnmarshalText([]byte(level))
 	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
 	cfg.ResyncInterval = top.DurationAtLeast("resync_interval", DefaultResyncInterval, MinResyncInterval)
+	cfg.KeepReplaced = top.DurationOrZero("keep_replaced", DefaultKeepReplaced)
 	cfg.Admin, cfg.AdminSocket = DefaultAdminAddress, DefaultAdminSocket
 	if top.Has("admin") {
 		admin := top.Table("admin")
@@ -349,6 +361,7 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	m.MaxValueSize = sec.Size("max_value_size", DefaultMaxValueSize)
 	m.MaxMountSize = sec.Size("max_mount_size", 0)
 	m.MaxFiles = int(sec.Int("max_files", DefaultMaxFiles, 1, 1<<24))
+	m.KeepReplaced = sec.DurationOrZero("keep_replaced", cfg.KeepReplaced)
 	m.UID = lookupID(sec, "user", lookupUser)
 	m.GID = lookupID(sec, "group", lookupGroup)
 	m.Optional = sec.Bool("optional", false)

@@ -170,6 +170,18 @@ func (s *Section) Int(key string, def, min, max int64) int64 {
 // Duration returns the Go duration string at key ("30s", "5m"), which must be
 // positive; def when it is not set.
 func (s *Section) Duration(key string, def time.Duration) time.Duration {
+	return s.duration(key, def, false)
+}
+
+// DurationOrZero is Duration that also takes "0s" (or "0"): for a setting
+// whose zero means "at once" or "none".
+func (s *Section) DurationOrZero(key string, def time.Duration) time.Duration {
+	return s.duration(key, def, true)
+}
+
+// duration returns the duration at key; zero is an error unless zeroOK,
+// a negative one always.
+func (s *Section) duration(key string, def time.Duration, zeroOK bool) time.Duration {
 	v, ok := s.get(key)
 	if !ok {
 		return def
@@ -184,7 +196,11 @@ func (s *Section) Duration(key string, def time.Duration) time.Duration {
 		s.Errorf(key, "bad duration %q: want a Go duration such as \"500ms\", \"30s\" or \"5m\"", str)
 		return def
 	}
-	if d <= 0 {
+	switch {
+	case d < 0 && zeroOK:
+		s.Errorf(key, "duration %q must not be negative", str)
+		return def
+	case d <= 0 && !zeroOK:
 		s.Errorf(key, "duration %q must be positive", str)
 		return def
 	}

@@ -8,6 +8,10 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/internal/roottest"
 )
 
 // versionDirs returns the version directories in dir.
@@ -148,5 +152,101 @@ func TestHostFailureKeepsItsBackoff(t *testing.T) {
 	}
 	if got, err := os.ReadFile(filepath.Join(dir+".away", "a")); err != nil || string(got) != "0" {
 		t.Errorf("the mount moved away holds a = %q, %v; want 0", got, err)
+	}
+}
+
+// watchFile adds an inotify watch on path, following a symlink there as
+// fsnotify.Add(path) does (so a visible name's watch lands on the file in
+// the version directory), and returns a channel that receives the time of
+// the first event that says the file went away or changed
+// (IN_DELETE_SELF, IN_ATTRIB — its link count dropped —, IN_IGNORED).
+func watchFile(t *testing.T, path string) <-chan time.Time {
+	t.Helper()
+	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := unix.InotifyAddWatch(fd, path, unix.IN_DELETE_SELF|unix.IN_ATTRIB|unix.IN_MODIFY|unix.IN_MOVE_SELF); err != nil {
+		unix.Close(fd)
+		t.Fatal(err)
+	}
+	events := make(chan time.Time, 1)
+	go func() {
+		defer unix.Close(fd)
+		buf := make([]byte, 4096)
+		if n, err := unix.Read(fd, buf); err == nil && n > 0 {
+			events <- time.Now()
+		}
+	}()
+	t.Cleanup(func() { unix.Close(fd) })
+	return events
+}
+
+// TestKeepReplaced is issue 25's fifth finding: a program that watches a
+// visible file itself (inotify on the path, as fsnotify.Add(path) does)
+// learns of a change when the replaced version is removed. With the
+// default keep_replaced (5 s) that is not before the grace is over; with
+// keep_replaced = "0s" — the kubelet's behaviour — it is right after the
+// switch, and the replaced version is gone as soon as the new content is
+// visible. A mount's own setting overrides the global one.
+func TestKeepReplaced(t *testing.T) {
+	h := newHarness(t)
+	h.writeConfig(h.mount("kept", "/kept/") + h.mount("kubelet", "/kubelet/", `keep_replaced = "0s"`))
+	h.put("/kept/a", "0", "/kubelet/a", "0")
+	h.start()
+	for _, name := range []string{"kept", "kubelet"} {
+		h.waitContent(h.path("mnt", name), map[string]string{"a": "0"})
+	}
+	kept := watchFile(t, h.path("mnt", "kept", "a"))
+	kubelet := watchFile(t, h.path("mnt", "kubelet", "a"))
+	put := time.Now()
+	h.put("/kept/a", "1", "/kubelet/a", "1")
+	h.waitContent(h.path("mnt", "kubelet"), map[string]string{"a": "1"})
+	select {
+	case at := <-kubelet:
+		t.Logf("keep_replaced = 0s: the watcher of the file learned of the change %v after the put", at.Sub(put))
+	case <-time.After(3 * time.Second):
+		t.Fatal("keep_replaced = 0s: the watcher of the file heard nothing in 3 s")
+	}
+	if versions := versionDirs(t, h.path("mnt", "kubelet")); len(versions) != 1 {
+		t.Errorf("keep_replaced = 0s: %d version directories once the change is visible; want 1", len(versions))
+	}
+	h.waitContent(h.path("mnt", "kept"), map[string]string{"a": "1"})
+	select {
+	case at := <-kept:
+		if d := at.Sub(put); d < 4*time.Second {
+			t.Errorf("keep_replaced = 5s: the watcher heard of the change %v after the put, before the grace was over", d)
+		}
+	case <-time.After(3 * time.Second):
+		// Not before the grace, as it should be; it comes after it.
+		select {
+		case at := <-kept:
+			t.Logf("keep_replaced = 5s: the watcher of the file learned of the change %v after the put", at.Sub(put))
+		case <-time.After(waitTimeout):
+			t.Fatal("keep_replaced = 5s: the replaced version was never removed")
+		}
+	}
+}
+
+// TestManifestsStayOffTheMount: a disk mount's manifests live in
+// state_dir/manifests/<mount>, one per version, and the mount holds the
+// payload only; a tmpfs mount keeps none, so that the hashes of its files
+// never reach the disk its files never touch.
+func TestManifestsStayOffTheMount(t *testing.T) {
+	h := newHarness(t)
+	roottest.UnmountAtEnd(t, h.path("mnt", "secret"))
+	h.writeConfig(h.mount("conf", "/conf/") + h.mount("secret", "/secret/", `medium = "tmpfs"`))
+	h.put("/conf/a", "1", "/secret/s", "2")
+	h.start()
+	version := h.waitContent(h.path("mnt", "conf"), map[string]string{"a": "1"})
+	h.waitContent(h.path("mnt", "secret"), map[string]string{"s": "2"})
+	if got := entries(t, h.path("mnt", "conf", version)); len(got) != 1 || got[0] != "a" {
+		t.Errorf("the disk mount's version holds %v; want the payload only", got)
+	}
+	if got := entries(t, h.path("state", "manifests", "conf")); len(got) != 1 || got[0] != strings.TrimPrefix(version, "..") {
+		t.Errorf("state_dir/manifests/conf holds %v; want the manifest of %s", got, version)
+	}
+	if got, err := os.ReadDir(h.path("state", "manifests", "secret")); err == nil && len(got) > 0 {
+		t.Errorf("a tmpfs mount's manifest reached the disk: %v", got)
 	}
 }
