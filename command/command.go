@@ -18,7 +18,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
-	"unicode/utf8"
+
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // OutputLimit is how much of a command's output (stdout and stderr
@@ -41,7 +42,10 @@ var ErrKilled = errors.New("killed: kvmount is stopping")
 type Spec struct {
 	// Argv is the program and its arguments; no shell is involved.
 	Argv []string
-	// Dir is the working directory; "" keeps kvmount's.
+	// Dir is the working directory; "" is "/". Never a directory whose
+	// entries someone other than root chooses — a mount's: a program
+	// that looks in its working directory (python -c, git, make, node,
+	// perl with . in @INC) would run a store writer's content.
 	Dir string
 	// Env holds NAME=value pairs added to kvmount's environment, or with
 	// ResetEnv to the clean one.
@@ -74,6 +78,9 @@ func Run(ctx context.Context, s Spec) (output string, err error) {
 	}
 	cmd := exec.CommandContext(ctx, s.Argv[0], s.Argv[1:]...)
 	cmd.Dir = s.Dir
+	if cmd.Dir == "" {
+		cmd.Dir = "/"
+	}
 	switch {
 	case s.ResetEnv:
 		cmd.Env = append(cleanEnv(s.UID), s.Env...)
@@ -105,8 +112,8 @@ func Run(ctx context.Context, s Spec) (output string, err error) {
 
 // Tail returns the last lines of a command's output, joined with " | ",
 // at most limit bytes (a longer last line is cut at its end): what a
-// failed check shows of why. Control characters become "?", so that the
-// text can go into a log line, JSON or systemd's STATUS= unchanged. nginx
+// failed check shows of why. Each line is escaped (untrusted.Escape): the
+// output is outside text. nginx
 // -t, for one, prints its reason on the line before its last ("nginx:
 // [emerg] invalid port ... in site.conf:6", then "nginx: configuration
 // file ... test failed").
@@ -115,7 +122,7 @@ func Tail(output string, limit int) string {
 	var kept []string
 	size := 0
 	for i := len(lines) - 1; i >= 0; i-- {
-		line := printable(strings.TrimSpace(lines[i]))
+		line := untrusted.Escape(strings.TrimSpace(lines[i]))
 		if line == "" {
 			continue
 		}
@@ -130,16 +137,6 @@ func Tail(output string, limit int) string {
 	}
 	slices.Reverse(kept)
 	return strings.Join(kept, " | ")
-}
-
-// printable replaces control characters and invalid UTF-8.
-func printable(s string) string {
-	return strings.Map(func(r rune) rune {
-		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
-			return '?'
-		}
-		return r
-	}, s)
 }
 
 // securePath is the PATH of a clean environment: sudo's secure_path.

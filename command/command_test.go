@@ -18,6 +18,10 @@ func TestRun(t *testing.T) {
 	if err != nil || !strings.Contains(out, "hello in "+dir) || !strings.Contains(out, "err") {
 		t.Errorf("Run = %q, %v; want the environment, the working directory and stderr", out, err)
 	}
+	// Without a Dir: "/", never kvmount's own working directory.
+	if out, err := Run(context.Background(), Spec{Argv: []string{"pwd"}}); err != nil || out != "/" {
+		t.Errorf("the default working directory = %q, %v; want /", out, err)
+	}
 	_, err = Run(context.Background(), Spec{Argv: []string{"sh", "-c", "exit 3"}})
 	var exit *exec.ExitError
 	if !errors.As(err, &exit) || exit.ExitCode() != 3 {

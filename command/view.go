@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"sync"
 
@@ -47,30 +46,9 @@ var (
 // says why not. It probes once, on a thread of its own that ends with it.
 func NamespaceViews() error {
 	probeOnce.Do(func() {
-		onThrowawayThread(func() { probeErr = privateNamespace() })
+		fsutil.OnThrowawayThread(func() { probeErr = privateNamespace() })
 	})
 	return probeErr
-}
-
-// onThrowawayThread runs f on an OS thread of its own that ends when f
-// returns, so that whatever f does to the thread — a mount namespace of
-// its own — dies with it. The thread is never the process's main thread:
-// Go does not end that one, and /proc/self shows the main thread's mount
-// namespace to every thread.
-func onThrowawayThread(f func()) {
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		runtime.LockOSThread()
-		if unix.Gettid() == unix.Getpid() {
-			// Holding the main thread keeps the goroutine below off it.
-			onThrowawayThread(f)
-			runtime.UnlockOSThread()
-			return
-		}
-		f() // never unlocked: the thread ends with this goroutine
-	}()
-	<-done
 }
 
 // privateNamespace moves the calling thread into a new mount namespace in
@@ -85,9 +63,9 @@ func privateNamespace() error {
 	return nil
 }
 
-// RunInView runs s as Run does, in a private mount namespace in which the
-// candidate version v names is bind-mounted read-only (nosuid, nodev) over
-// v.MountDir; s.Dir, when empty, becomes v.MountDir. The candidate and the
+// RunInView runs s as Run does (in "/" unless s.Dir says otherwise), in a
+// private mount namespace in which the candidate version v names is
+// bind-mounted read-only (nosuid, nodev) over v.MountDir. The candidate and the
 // mount directory are found again by path inside the namespace, without
 // following a symlink, and must have the identities v records: a path
 // that now reaches another directory fails the check (fsutil.ErrReplaced),
@@ -107,16 +85,13 @@ func privateNamespace() error {
 func RunInView(ctx context.Context, s Spec, v View) (string, error) {
 	var out string
 	var err error
-	onThrowawayThread(func() {
+	fsutil.OnThrowawayThread(func() {
 		if err = privateNamespace(); err != nil {
 			return
 		}
 		if err = v.mount(); err != nil {
 			err = fmt.Errorf("preparing the check's view of %s: %w", v.MountDir, err)
 			return
-		}
-		if s.Dir == "" {
-			s.Dir = v.MountDir
 		}
 		out, err = Run(ctx, s)
 	})

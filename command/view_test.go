@@ -54,7 +54,8 @@ func candidateMount(t *testing.T, dir string) View {
 }
 
 // TestViewShowsTheCandidateAtTheMountPath: the command reads the candidate
-// through the mount's own path, cannot write it, and the host's mount
+// through the mount's own path, runs in "/" (never in the candidate, whose
+// entries a store writer chose), cannot write it, and the host's mount
 // table is the same after the check — after success, failure, timeout and
 // cancellation alike.
 func TestViewShowsTheCandidateAtTheMountPath(t *testing.T) {
@@ -65,12 +66,12 @@ func TestViewShowsTheCandidateAtTheMountPath(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "conf.d")
 	v := candidateMount(t, dir)
 	before := mountinfo(t)
-	out, err := RunInView(context.Background(), Spec{Argv: []string{"sh", "-c", "cat " + dir + "/site.conf; echo; pwd; cat site.conf; echo; touch " + dir + "/x 2>&1 || echo read-only"}, UID: -1}, v)
+	out, err := RunInView(context.Background(), Spec{Argv: []string{"sh", "-c", "cat " + dir + "/site.conf; echo; pwd; touch " + dir + "/x 2>&1 || echo read-only"}, UID: -1}, v)
 	if err != nil {
 		t.Fatalf("RunInView = %v (%s)", err, out)
 	}
-	if want := "candidate\n" + dir + "\ncandidate\n"; !strings.HasPrefix(out+"\n", want) || !strings.Contains(out, "read-only") {
-		t.Errorf("the check saw %q; want the candidate at %s, its working directory, and no write", out, dir)
+	if want := "candidate\n/\n"; !strings.HasPrefix(out+"\n", want) || !strings.Contains(out, "read-only") {
+		t.Errorf("the check saw %q; want the candidate at %s, / as its working directory, and no write", out, dir)
 	}
 	if data, _ := os.ReadFile(filepath.Join(dir, "site.conf")); string(data) != "live" {
 		t.Errorf("outside the check the mount holds %q; want live", data)
@@ -223,7 +224,8 @@ nginx: configuration file /etc/nginx/nginx.conf test failed
 		{"", ""},
 		{"one\n\n", "one"},
 		{nginx, `nginx: [emerg] invalid port in "127.0.0.1:99999" of the "listen" directive in /etc/nginx/conf.d/kvmount/site.conf:6 | nginx: configuration file /etc/nginx/nginx.conf test failed`},
-		{"a\x1b[31mred\x00\n", "a?[31mred?"},
+		{"a\x1b[31mred\x00\n", `a\x1b[31mred\x00`},
+		{"csi\u009b2J evil\u202egnp\n", `csi\u009b2J evil\u202egnp`},
 		{strings.Repeat("x", 300), strings.Repeat("x", 256)},
 		{"first\n" + strings.Repeat("y", 250), strings.Repeat("y", 250)},
 	} {

@@ -165,11 +165,16 @@ type Mount struct {
 	// KeysAsFiles projects the keys as files; false makes them feed the
 	// templates only.
 	KeysAsFiles bool
-	// CheckUID and CheckGID are the user and group CheckCommand runs as
-	// (check_user: a name, whose primary group applies, or a numeric id,
-	// whose group is the same number when no such user exists); -1 runs it
-	// as kvmount's own user.
+	// CheckUID and CheckGID are the user and group CheckCommand runs as:
+	// check_user (a name, whose primary group applies, or a numeric id,
+	// whose group is the same number when no such user exists); by
+	// default the mount's user (and group) unless that is root, else
+	// nobody (Nobody). A check interprets store content, so it runs with
+	// least privilege unless the configuration says check_user = "root".
 	CheckUID, CheckGID int
+	// NotifyUID and NotifyGID are the user and group the mount's notify
+	// commands run as (notify_user), with the same default and rule.
+	NotifyUID, NotifyGID int
 	// MaxValueSize is the largest value projected, in bytes.
 	MaxValueSize int64
 	// MaxMountSize is the largest payload, in bytes; 0 for no limit.
@@ -312,7 +317,7 @@ func kindList(kinds map[string]SourceDecoder) string {
 
 func decodeMount(sec *Section, cfg *Config) *Mount {
 	defer sec.Done()
-	m := &Mount{UID: -1, GID: -1, CheckUID: -1, CheckGID: -1}
+	m := &Mount{UID: -1, GID: -1}
 	m.Name = sec.String("name", "")
 	switch {
 	case m.Name == "":
@@ -351,13 +356,6 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	if sec.Has("check_timeout") && !sec.Has("check_command") {
 		sec.Errorf("check_timeout", "applies with check_command only")
 	}
-	if sec.Has("check_user") {
-		m.CheckUID = lookupID(sec, "check_user", lookupUser)
-		m.CheckGID = primaryGroup(m.CheckUID)
-		if !sec.Has("check_command") {
-			sec.Errorf("check_user", "applies with check_command only")
-		}
-	}
 	m.MaxValueSize = sec.Size("max_value_size", DefaultMaxValueSize)
 	m.MaxMountSize = sec.Size("max_mount_size", 0)
 	m.MaxFiles = int(sec.Int("max_files", DefaultMaxFiles, 1, 1<<24))
@@ -368,6 +366,20 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	m.Wait = decodeWait(sec)
 	for _, nsec := range sec.Tables("notify") {
 		m.Notify = append(m.Notify, decodeNotify(nsec))
+	}
+	m.CheckUID, m.CheckGID = commandUser(sec, "check_user", m)
+	if sec.Has("check_user") && !sec.Has("check_command") {
+		sec.Errorf("check_user", "applies with check_command only")
+	}
+	m.NotifyUID, m.NotifyGID = commandUser(sec, "notify_user", m)
+	for i := range m.Notify {
+		m.Notify[i].UID, m.Notify[i].GID = m.NotifyUID, m.NotifyGID
+	}
+	if sec.Has("notify_user") && !slices.ContainsFunc(m.Notify, func(n Notify) bool { return n.Kind == NotifyCommand }) {
+		sec.Errorf("notify_user", "applies with a [[mount.notify]] command entry only")
+	}
+	if len(m.CheckCommand) > 0 {
+		warnUnreadable(sec, m)
 	}
 
 	paths := map[string]bool{} // item paths of all projections
@@ -497,6 +509,9 @@ func checkMounts(mounts []*Section, cfg *Config) {
 		if within(m.Dir, cfg.StateDir) || within(cfg.StateDir, m.Dir) {
 			sec.Errorf("dir", "%q overlaps state_dir %q", m.Dir, cfg.StateDir)
 		}
+		if m.UID <= 0 {
+			warnPlainTCP(sec, m, cfg)
+		}
 		clean := filepath.Clean(m.Dir)
 		if j := dirs[clean]; j != i {
 			sec.Errorf("dir", "%q is already the dir of mount[%d] (%s)", m.Dir, j, cfg.Mounts[j].Name)
@@ -510,6 +525,26 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			}
 			if dir == "/" {
 				break
+			}
+		}
+	}
+}
+
+// warnPlainTCP warns at the source of m, a mount of root's, fed by a
+// source that reaches its store over plain TCP (PlainTCP).
+func warnPlainTCP(sec *Section, m *Mount, cfg *Config) {
+	key := "source"
+	if sec.Has("projections") {
+		key = "projections"
+	}
+	for _, pr := range m.Projections {
+		src, ok := cfg.Sources[pr.Source]
+		if !ok {
+			continue
+		}
+		if p, ok := src.Settings.(PlainTCP); ok {
+			if eps := p.PlainTCP(); len(eps) > 0 {
+				sec.Warnf(key, "mount %s is root's, and source %s feeds it over plain TCP (%s): a local user who takes that port while the store is down, or before it is up at boot, chooses its content; use TLS with a CA (tls.ca_file), a unix socket, or peer_user", m.Name, pr.Source, strings.Join(eps, ", "))
 			}
 		}
 	}
@@ -540,6 +575,78 @@ func lookupID(sec *Section, key string, lookup func(string) (int, error)) int {
 		return -1
 	}
 	return id
+}
+
+// Nobody is the user and group a mount's commands run as when neither
+// the configuration (check_user, notify_user) nor the mount's user names
+// another: the overflow ids of Linux (65534, the nobody user and the
+// nogroup group of Debian and Red Hat alike).
+const Nobody = 65534
+
+// commandUser returns the user and group the mount's commands of key
+// (check_user, notify_user) run as: the one key names — root only when
+// named so, with a warning, since the command interprets what a store
+// writer chose —; else the mount's user and group, unless that is root;
+// else Nobody.
+func commandUser(sec *Section, key string, m *Mount) (uid, gid int) {
+	if sec.Has(key) {
+		uid = lookupID(sec, key, lookupUser)
+		if uid < 0 {
+			return Nobody, Nobody
+		}
+		if uid == 0 {
+			sec.Warnf(key, "commands of this mount run as root and interpret what the store's writers chose (a program that looks in its input for code or includes runs it as root); prefer the mount's user or nobody")
+		}
+		return uid, primaryGroup(uid)
+	}
+	if m.UID > 0 {
+		gid := m.GID
+		if gid < 0 {
+			gid = primaryGroup(m.UID)
+		}
+		return m.UID, gid
+	}
+	return Nobody, Nobody
+}
+
+// warnUnreadable warns when m's check command runs as a user who cannot
+// read the files the check reads: files owned by the mount's user (or
+// root) with default_mode, as the check user's own, group or other bits
+// allow.
+func warnUnreadable(sec *Section, m *Mount) {
+	owner, group := m.UID, m.GID
+	if owner < 0 {
+		owner = os.Geteuid()
+	}
+	if group < 0 {
+		group = primaryGroup(owner)
+	}
+	mode := m.DefaultMode
+	switch {
+	case m.CheckUID == 0, m.CheckUID == owner && mode&0o400 != 0, m.CheckGID == group && mode&0o040 != 0, mode&0o004 != 0:
+		return
+	}
+	key := "check_user"
+	if !sec.Has(key) {
+		key = "check_command"
+	}
+	sec.Warnf(key, "check_command runs as uid %d, who cannot read the mount's files (owner %d, group %d, mode %04o): set user or group, or check_user", m.CheckUID, owner, group, mode)
+}
+
+// UserID returns the user named at key — a name or a numeric id — or -1
+// when key is not set; an unknown name is a problem at key's line.
+func (s *Section) UserID(key string) int {
+	return lookupID(s, key, lookupUser)
+}
+
+// PlainTCP is implemented by source settings that can reach their store
+// over plain TCP, unauthenticated: it returns the endpoints reached so,
+// without TLS and without a peer_user check. kvmount check warns about a
+// mount of root's that such a source feeds: a local user who takes the
+// port while the store is down, or before it is up at boot, chooses what
+// the mount holds.
+type PlainTCP interface {
+	PlainTCP() []string
 }
 
 func lookupUser(name string) (int, error) {

@@ -1,14 +1,23 @@
 package config
 
 import (
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io/fs"
+	"math/big"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // testKinds is a stand-in source kind with one known key.
@@ -580,4 +589,142 @@ ok
 	if err == nil || !strings.Contains(err.Error(), "k.toml:8: mount[0].keys_as_files: false makes the keys feed templates only") {
 		t.Errorf("keys_as_files without templates: %v", err)
 	}
+}
+
+// TestCommandUsers: a mount's check and notify commands run as the mount's
+// user (and group), else nobody; root only when check_user or notify_user
+// says so, with a warning; a check user who cannot read the mount's files
+// is warned about.
+func TestCommandUsers(t *testing.T) {
+	head := "[sources.s]\ntype = \"fake\"\n[[mount]]\nname = \"m\"\ndir = \"/srv/m\"\nsource = \"s\"\nprefix = \"m/\"\ncheck_command = [\"true\"]\n"
+	notify := "  [[mount.notify]]\n  command = [\"true\"]\n"
+	for _, tt := range []struct {
+		name, extra                              string
+		checkUID, checkGID, notifyUID, notifyGID int
+		warn                                     string
+	}{
+		{name: "no user: nobody", checkUID: Nobody, checkGID: Nobody, notifyUID: Nobody, notifyGID: Nobody},
+		{name: "the mount's user and group", extra: "user = \"4321\"\ngroup = \"8765\"\n", checkUID: 4321, checkGID: 8765, notifyUID: 4321, notifyGID: 8765},
+		{name: "the mount's user, its primary group", extra: "user = \"4321\"\n", checkUID: 4321, checkGID: 4321, notifyUID: 4321, notifyGID: 4321},
+		{name: "a mount of root's: nobody", extra: "user = \"0\"\n", checkUID: Nobody, checkGID: Nobody, notifyUID: Nobody, notifyGID: Nobody},
+		{name: "root by name, warned", extra: "check_user = \"root\"\n", checkUID: 0, checkGID: 0, notifyUID: Nobody, notifyGID: Nobody,
+			warn: "mount[0].check_user: commands of this mount run as root and interpret what the store's writers chose"},
+		{name: "notify_user root, warned", extra: "notify_user = \"0\"\n", checkUID: Nobody, checkGID: Nobody, notifyUID: 0, notifyGID: 0,
+			warn: "mount[0].notify_user: commands of this mount run as root"},
+		{name: "a check user who cannot read the files", extra: "default_mode = \"0400\"\n", checkUID: Nobody, checkGID: Nobody, notifyUID: Nobody, notifyGID: Nobody,
+			warn: "mount[0].check_command: check_command runs as uid 65534, who cannot read the mount's files"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := Parse("k.toml", []byte(head+tt.extra+notify), testKinds)
+			if err != nil {
+				t.Fatal(err)
+			}
+			m := cfg.Mounts[0]
+			if m.CheckUID != tt.checkUID || m.CheckGID != tt.checkGID || m.Notify[0].UID != tt.notifyUID || m.Notify[0].GID != tt.notifyGID {
+				t.Errorf("check %d:%d, notify %d:%d; want %d:%d, %d:%d", m.CheckUID, m.CheckGID, m.Notify[0].UID, m.Notify[0].GID, tt.checkUID, tt.checkGID, tt.notifyUID, tt.notifyGID)
+			}
+			found := tt.warn == ""
+			for _, w := range cfg.Warnings {
+				found = found || strings.Contains(w.Error(), tt.warn)
+			}
+			if !found || tt.warn == "" && len(cfg.Warnings) > 0 {
+				t.Errorf("warnings %v; want %q", cfg.Warnings, tt.warn)
+			}
+		})
+	}
+	if _, err := Parse("k.toml", []byte(head[:strings.Index(head, "check_command")]+"notify_user = \"4321\"\n"), testKinds); err == nil || !strings.Contains(err.Error(), "notify_user: applies with a [[mount.notify]] command entry only") {
+		t.Errorf("notify_user without a command entry: %v", err)
+	}
+}
+
+// TestTLSFilesReadAsCredentials is the second review's twelfth finding:
+// TLS files were read following symlinks, blocking and unbounded — a FIFO
+// as ca_file hung kvmount check, start and reload for good, /dev/zero ran
+// kvmount out of memory — and a key_file a user owns and everyone reads
+// drew no warning. They are read as credential files now: a FIFO, a
+// device, a symlink are refused at once, at their line; the key warns as a
+// credential does; a valid pair loads.
+func TestTLSFilesReadAsCredentials(t *testing.T) {
+	kinds := map[string]SourceDecoder{"fake": func(sec *Section) any { return sec.TLS("tls") }}
+	dir := t.TempDir()
+	fifo := filepath.Join(dir, "ca.fifo")
+	if err := unix.Mkfifo(fifo, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "ca.link")
+	if err := os.Symlink("/etc/ssl/certs/ca-certificates.crt", link); err != nil {
+		t.Fatal(err)
+	}
+	parse := func(tls string) (*Config, error) {
+		type result struct {
+			cfg *Config
+			err error
+		}
+		done := make(chan result, 1)
+		go func() {
+			cfg, err := Parse("k.toml", []byte("[sources.s]\ntype = \"fake\"\ntls = "+tls+"\n"), kinds)
+			done <- result{cfg, err}
+		}()
+		select {
+		case r := <-done:
+			return r.cfg, r.err
+		case <-time.After(10 * time.Second):
+			t.Fatalf("parsing tls = %s hangs", tls)
+			return nil, nil
+		}
+	}
+	for _, tt := range []struct{ name, file, want string }{
+		{"a FIFO", fifo, "not a regular file"},
+		{"a device", "/dev/zero", "not a regular file"},
+		{"a symlink", link, "a symlink"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := parse(fmt.Sprintf("{ ca_file = %q }", tt.file))
+			if err == nil || !strings.Contains(err.Error(), "k.toml:3") || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("ca_file = %s: %v; want an error at line 3 saying %q", tt.file, err, tt.want)
+			}
+		})
+	}
+	cert, key := selfSigned(t, dir)
+	if err := os.Chmod(key, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := parse(fmt.Sprintf("{ ca_file = %q, cert_file = %q, key_file = %q }", cert, cert, key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cfg.Warnings) != 1 || !strings.Contains(cfg.Warnings[0].Error(), "holds a credential and is readable by every user") {
+		t.Errorf("warnings %v; want one for the world-readable key_file", cfg.Warnings)
+	}
+	tlsCfg := cfg.Sources["s"].Settings.(TLS)
+	if c, err := tlsCfg.Config(); err != nil || len(c.Certificates) != 1 || c.RootCAs == nil {
+		t.Errorf("Config = %+v, %v; want the pair and the roots", c, err)
+	}
+}
+
+// selfSigned writes a self-signed certificate and its key into dir and
+// returns their paths.
+func selfSigned(t *testing.T, dir string) (cert, key string) {
+	t.Helper()
+	priv, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "kvmount test"}, NotBefore: time.Now(), NotAfter: time.Now().Add(time.Hour), IsCA: true, BasicConstraintsValid: true}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &priv.PublicKey, priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(priv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cert, key = filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
+	if err := os.WriteFile(cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(key, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return cert, key
 }

@@ -51,6 +51,9 @@ type Notify struct {
 	HeaderFiles map[string]Secret
 	// Timeout bounds one attempt.
 	Timeout time.Duration
+	// UID and GID run a command entry: the mount's notify_user (see
+	// Mount.NotifyUID).
+	UID, GID int
 }
 
 // Target names what the entry addresses, for logs and metrics: the

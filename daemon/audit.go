@@ -12,10 +12,11 @@ import (
 
 // Audit inspects the host for what cfg's paths trust and returns the
 // warnings kvmount check prints and the daemon logs at start: a mount's
-// dir, state_dir or a signal entry's pid_file whose path passes through a
-// directory in which someone other than root can replace the next
-// component (fsutil.Exposures, the rule of sshd's StrictModes), or through
-// a symlink, which kvmount refuses to follow. None of them is an error: a
+// dir or a signal entry's pid_file whose path passes through a directory
+// in which someone other than root can replace the next component
+// (fsutil.Exposures, the rule of sshd's StrictModes), or through a
+// symlink, which kvmount refuses to follow. (state_dir is no warning but
+// an error: CheckStateDir.) None of them is an error: a
 // user who can plant a symlink must not be able to stop kvmount from
 // starting. kvmount protects such a mount as it can — it refuses a mount
 // directory that was replaced and shows a check command its candidate
@@ -38,7 +39,6 @@ func Audit(cfg *config.Config) []string {
 			out = append(out, fmt.Sprintf("%s %s: %v", what, path, e))
 		}
 	}
-	add("state_dir", cfg.StateDir)
 	for _, m := range cfg.Mounts {
 		add(fmt.Sprintf("mount %s: dir", m.Name), m.Dir)
 		for _, n := range m.Notify {
@@ -50,6 +50,17 @@ func Audit(cfg *config.Config) []string {
 	return out
 }
 
+// CheckStateDir returns why kvmount would refuse cfg's state_dir
+// (fsutil.CheckPrivateDir): a directory, or a parent, that someone other
+// than root can write; nil when it is root's alone or does not exist yet
+// below directories only root can write.
+func CheckStateDir(cfg *config.Config) error {
+	if err := fsutil.CheckPrivateDir(cfg.StateDir); err != nil {
+		return fmt.Errorf("state_dir: %w", err)
+	}
+	return nil
+}
+
 // CheckView says how check commands see the version they check on this
 // host, for kvmount check and the start's log; "" when no mount has a
 // check_command.
@@ -59,9 +70,9 @@ func CheckView(cfg *config.Config) string {
 			continue
 		}
 		if err := command.NamespaceViews(); err != nil {
-			return fmt.Sprintf("check_command: no private mount namespace can be made here (%v): a check sees the new version only at {{dir}} and in its working directory, and its mount's own path shows the live version", errors.Unwrap(err))
+			return fmt.Sprintf("check_command: no private mount namespace can be made here (%v): a check sees the new version only at {{dir}} and $KVMOUNT_DIR, and its mount's own path shows the live version", errors.Unwrap(err))
 		}
-		return "check_command: runs in a private mount namespace in which each mount's own path shows the new version, read-only; {{dir}} and the working directory are that path"
+		return "check_command: runs in a private mount namespace in which each mount's own path shows the new version, read-only; {{dir}} and $KVMOUNT_DIR are that path, and it starts in /"
 	}
 	return ""
 }

@@ -184,7 +184,8 @@ func TestImmutable(t *testing.T) {
 
 // TestCheckCommand: a version the check refuses keeps the last content;
 // the check reads the new version through the mount's own path (the
-// namespace view) as well as through {{dir}}; the last lines of its output
+// namespace view) as well as through {{dir}} and KVMOUNT_DIR (never its
+// working directory, which is "/"); the last lines of its output
 // are in the error on disk, and not where show_check_output is off, where
 // they are at debug level only (a check may echo secret values).
 func TestCheckCommand(t *testing.T) {
@@ -192,7 +193,7 @@ func TestCheckCommand(t *testing.T) {
 	h.put("/cc/app.conf", "valid 1", "/hc/app.conf", "valid 1")
 	dir, hidden := h.path("mnt", "cc"), h.path("mnt", "hc")
 	check := func(d string) string {
-		return `check_command = ["sh", "-c", "grep -q valid ` + d + `/app.conf && grep -q valid {{dir}}/app.conf && grep -q valid app.conf || { echo 'app.conf: no valid line' >&2; exit 3; }"]`
+		return `check_command = ["sh", "-c", "grep -q valid ` + d + `/app.conf && grep -q valid {{dir}}/app.conf && grep -q valid $KVMOUNT_DIR/app.conf || { echo 'app.conf: no valid line' >&2; exit 3; }"]`
 	}
 	h.writeConfig(h.mount("cc", "/cc/", check(dir), `check_timeout = "5s"`) + h.mount("hc", "/hc/", check(hidden), `show_check_output = false`))
 	h.start()

@@ -20,6 +20,7 @@ import (
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/faultproxy"
+	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
@@ -71,7 +72,9 @@ func newHarness(t *testing.T) *harness {
 // newBareHarness returns a harness without a store; the test sets sources.
 func newBareHarness(t *testing.T) *harness {
 	t.Helper()
-	base := t.TempDir()
+	// Reachable by other users (t.TempDir's are 0700): check commands run
+	// as the mount's user or nobody.
+	base := roottest.TempDir(t)
 	h := &harness{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &testlog.Buffer{}}
 	t.Cleanup(func() {
 		h.stop()
@@ -195,8 +198,9 @@ func (h *harness) put(kv ...string) {
 }
 
 // content returns the files of the mount at dir, read through the visible
-// symlinks as a service would, and the version ..data points at. A
-// missing mount is nil.
+// symlinks as a service would, and the version ..data points at; an entry
+// of the version that is not a regular file is not opened but shown as
+// such. A missing mount is nil.
 func content(dir string) (map[string]string, string) {
 	version, err := os.Readlink(filepath.Join(dir, projector.DataDirName))
 	if err != nil {
@@ -211,6 +215,11 @@ func content(dir string) (map[string]string, string) {
 		rel, _ := filepath.Rel(root, p)
 		if rel == "..manifest" {
 			return nil // an older kvmount's, in a benchmark's baseline binary
+		}
+		if !d.Type().IsRegular() {
+			// A FIFO or symlink a test's user planted: never opened.
+			files[rel] = "(not a regular file: " + d.Type().String() + ")"
+			return nil
 		}
 		data, err := os.ReadFile(filepath.Join(dir, rel))
 		if err != nil {

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"runtime/debug"
 	"slices"
@@ -13,6 +14,7 @@ import (
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // service tells systemd (through Options.Notify) what the daemon is doing:
@@ -130,8 +132,10 @@ func settled(st []reconcile.MountStatus) bool {
 // statusLine summarises mounts for systemd's STATUS=, such as "12 mounts:
 // 11 current, 1 stale (api: source main unreachable)": the counts by state
 // — admin.MountState's words, as /status and kvmount status use them — and
-// the first mount that is not current, with why. notified holds the error
-// of each mount's last notification attempt.
+// the first mount that is not current, with why, escaped
+// (untrusted.Escape). A check's output never goes there: systemctl status
+// shows the line to every local user. notified holds the error of each
+// mount's last notification attempt.
 func statusLine(mounts []reconcile.MountStatus, notified map[string]string) string {
 	counts := map[string]int{}
 	first := ""
@@ -141,8 +145,14 @@ func statusLine(mounts []reconcile.MountStatus, notified map[string]string) stri
 			state = admin.StateCurrent
 		}
 		counts[state]++
+		var check *reconcile.CheckError
+		if errors.As(m.Err, &check) {
+			// STATUS= is every local user's to read (systemctl
+			// status): never a command's output.
+			why = check.Brief()
+		}
 		if first == "" && why != "" {
-			first = fmt.Sprintf("%s: %s", m.Name, firstLine(why))
+			first = fmt.Sprintf("%s: %s", m.Name, untrusted.Escape(firstLine(why)))
 		}
 	}
 	states := make([]string, 0, len(counts))

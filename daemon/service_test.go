@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -42,7 +43,7 @@ func (h *harness) waitLines(path string, n int) []string {
 // notifies nothing.
 func TestNotifyAfterSwitch(t *testing.T) {
 	h := newHarness(t)
-	log := h.path("notified")
+	log := filepath.Join(sharedDir(t), "notified") // notify commands run as nobody
 	h.put("/n/a", "1")
 	notify := fmt.Sprintf(`  [[mount.notify]]
   command = ["sh", "-c", "echo $KVMOUNT_MOUNT:$KVMOUNT_VERSION:$(cat $KVMOUNT_DIR/a) >> %s"]
@@ -75,7 +76,7 @@ func TestNotifyAfterSwitch(t *testing.T) {
 // switch and one notification.
 func TestQuiescence(t *testing.T) {
 	h := newHarness(t)
-	log := h.path("notified")
+	log := filepath.Join(sharedDir(t), "notified") // notify commands run as nobody
 	h.put("/q/a", "0")
 	h.writeConfig(h.mount("q", "/q/", `wait = { min = "500ms", max = "10s" }`) + fmt.Sprintf("  [[mount.notify]]\n  command = [\"sh\", \"-c\", \"echo $KVMOUNT_VERSION >> %s\"]\n", log))
 	h.start()

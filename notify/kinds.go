@@ -16,16 +16,18 @@ import (
 	"github.com/kvmount/kvmount/origin"
 )
 
-// runCommand runs a command entry with the change in its environment:
-// KVMOUNT_MOUNT, KVMOUNT_DIR, KVMOUNT_VERSION (the ..data target) and
-// KVMOUNT_REVISION. Its output is logged at debug level only.
+// runCommand runs a command entry as the mount's notify_user (by default
+// its user, else nobody), in "/" and a clean environment with the change
+// in it: KVMOUNT_MOUNT, KVMOUNT_DIR, KVMOUNT_VERSION (the ..data target)
+// and KVMOUNT_REVISION. Its output is logged at debug level only.
 func runCommand(ctx context.Context, e config.Notify, c Change, log *slog.Logger) error {
 	out, err := command.Run(ctx, command.Spec{
-		Argv:    e.Command,
-		Dir:     c.Dir,
-		Env:     []string{"KVMOUNT_MOUNT=" + c.Mount, "KVMOUNT_DIR=" + c.Dir, "KVMOUNT_VERSION=" + c.Version, "KVMOUNT_REVISION=" + c.Revision},
-		Timeout: e.Timeout,
-		UID:     -1,
+		Argv:     e.Command,
+		Env:      []string{"KVMOUNT_MOUNT=" + c.Mount, "KVMOUNT_DIR=" + c.Dir, "KVMOUNT_VERSION=" + c.Version, "KVMOUNT_REVISION=" + c.Revision},
+		ResetEnv: true,
+		Timeout:  e.Timeout,
+		UID:      e.UID,
+		GID:      e.GID,
 	})
 	log.Debug("notify command finished", "command", e.Command[0], "err", err, "output", out)
 	if err != nil {

@@ -157,23 +157,26 @@ func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
 }
 
 // checkCommand returns the Check that runs spec's check_command against a
-// new version, or nil without one, as check_user when set, in a clean
-// environment (command.Spec.ResetEnv) with KVMOUNT_MOUNT and KVMOUNT_DIR.
+// new version, or nil without one, as check_user (by default the mount's
+// user, else nobody: config.Mount.CheckUID), in "/" and a clean environment
+// (command.Spec.ResetEnv) with KVMOUNT_MOUNT and KVMOUNT_DIR: a check
+// interprets what a store writer chose, and reaches it only through {{dir}}
+// and KVMOUNT_DIR, never through its working directory.
 //
 // Where a private mount namespace can be made (command.NamespaceViews),
 // the command runs in one in which the mount's own path shows the new
-// version, read-only: {{dir}} in an argument, the working directory and
-// KVMOUNT_DIR are the mount's path, and a program whose stock
-// configuration includes the mount (nginx -t) tests the new content.
-// Elsewhere they are the new version directory's path, and only what the
-// command reaches through them is the new content.
+// version, read-only: {{dir}} in an argument and KVMOUNT_DIR are the
+// mount's path, and a program whose stock configuration includes the
+// mount (nginx -t) tests the new content. Elsewhere they are the new
+// version directory's path, and only what the command reaches through them
+// is the new content.
 //
 // The command fails the check by exiting non-zero or by outliving
-// check_timeout. The error then carries the last lines of its output
-// (command.Tail, at most CheckOutputLimit bytes) when show_check_output
-// is on — by default on disk, not on tmpfs, where a check may echo the
-// secrets it reads; the first 4 KiB are logged at debug level. Cancelling
-// ctx kills a running command.
+// check_timeout: a *CheckError, which carries the last lines of its output
+// (command.Tail, at most CheckOutputLimit bytes, escaped) when
+// show_check_output is on — by default on disk, not on tmpfs, where a
+// check may echo the secrets it reads; the first 4 KiB are logged at debug
+// level. Cancelling ctx kills a running command.
 func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(projector.Candidate) error {
 	if len(spec.CheckCommand) == 0 {
 		return nil
@@ -195,21 +198,55 @@ func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) fun
 		if viewErr == nil {
 			out, err = command.RunInView(ctx, s, command.View{MountDir: c.MountDir, Mount: c.Mount, Version: c.Version, VersionIdent: c.VersionIdent})
 		} else {
-			s.Dir = dir
 			out, err = command.Run(ctx, s)
 		}
 		log.Debug("check_command finished", "command", args[0], "err", err, "output", out)
 		if err == nil {
 			return nil
 		}
-		if !spec.ShowCheckOutput {
-			return fmt.Errorf("check_command %s: %w (its output is not shown for this mount, show_check_output = false; it is logged at debug level)", args[0], err)
+		ce := &CheckError{Program: args[0], Err: err, Hidden: !spec.ShowCheckOutput}
+		if spec.ShowCheckOutput {
+			ce.Output = command.Tail(out, CheckOutputLimit)
 		}
-		if tail := command.Tail(out, CheckOutputLimit); tail != "" {
-			return fmt.Errorf("check_command %s: %w: %s", args[0], err, tail)
-		}
-		return fmt.Errorf("check_command %s: %w (no output)", args[0], err)
+		return ce
 	}
+}
+
+// CheckError is a check_command's refusal of a new version: the program,
+// why it failed (its exit status, a timeout) and the last lines of its
+// output when the mount shows them.
+type CheckError struct {
+	Program string
+	Err     error
+	// Output is the last lines of the command's output (command.Tail),
+	// escaped; "" when it printed nothing or Hidden is set.
+	Output string
+	// Hidden reports that the mount does not show check output
+	// (show_check_output = false).
+	Hidden bool
+}
+
+// Error names the program and why it failed, with its output or a word
+// on why there is none. The text goes to the log, /status and kvmount
+// status, which root alone reads; not to systemd's STATUS= (see Brief).
+func (e *CheckError) Error() string {
+	switch {
+	case e.Hidden:
+		return fmt.Sprintf("check_command %s: %v (its output is not shown for this mount, show_check_output = false; it is logged at debug level)", e.Program, e.Err)
+	case e.Output == "":
+		return fmt.Sprintf("check_command %s: %v (no output)", e.Program, e.Err)
+	}
+	return fmt.Sprintf("check_command %s: %v: %s", e.Program, e.Err, e.Output)
+}
+
+// Unwrap returns why the command failed.
+func (e *CheckError) Unwrap() error { return e.Err }
+
+// Brief is Error without the command's output: for systemd's STATUS=,
+// which systemctl status shows to every local user — a check may print
+// what only its user can read.
+func (e *CheckError) Brief() string {
+	return fmt.Sprintf("check_command %s: %v (its output: kvmount status)", e.Program, e.Err)
 }
 
 // CheckOutputLimit is how much of a failed check_command's output its
@@ -272,6 +309,8 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 		DirGID:      spec.GID,
 		Grace:       spec.KeepReplaced,
 		ManifestDir: manifests,
+		MaxFileSize: spec.MaxValueSize,
+		MaxFiles:    spec.MaxFiles,
 	})
 	if err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
@@ -283,6 +322,9 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 	ad, err := adopt()
 	for _, entry := range ad.Removed {
 		r.log.Warn("removed an entry kvmount did not write from its mount", "mount", name, "dir", spec.Dir, "entry", entry)
+	}
+	if len(ad.Left) > 0 {
+		r.log.Warn("left entries kvmount did not write in its mount: the mount's user could not remove them, so kvmount does not", "mount", name, "dir", spec.Dir, "entries", ad.Left, "err", ad.LeftErr)
 	}
 	if err != nil {
 		w.Close()
@@ -348,6 +390,9 @@ func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 	rt.writer = w
 	if err := rt.writer.Teardown(); err != nil {
 		return fmt.Errorf("mount %q: %w", name, err)
+	}
+	if left, why := rt.writer.Left(); len(left) > 0 {
+		r.log.Warn("left versions in the mount at teardown: the mount's user could not remove what they hold, so kvmount does not", "mount", name, "dir", dir, "entries", left, "err", why)
 	}
 	closeWriter()
 	err = m.Release(rec.owner(), known && rec.CreatedDir && rec.Dir == dir)

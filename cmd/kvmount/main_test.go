@@ -66,6 +66,7 @@ func TestCheck(t *testing.T) {
 [sources.main]
 type = "etcd"
 endpoints = ["http://127.0.0.1:2379"]
+peer_user = "root"
 
 [[mount]]
 name = "app"
@@ -89,8 +90,13 @@ source = "main"
 prefix = "/apps/app"
 `)
 	code, out, errOut = runCmd("check", "-config", warned)
-	if code != 0 || !strings.Contains(out, "1 warning)") || !strings.Contains(errOut, "warning: "+warned+`:9: mount[0].prefix: "/apps/app" does not end in "/"`) {
+	if code != 0 || !strings.Contains(out, "2 warnings)") || !strings.Contains(errOut, "warning: "+warned+`:9: mount[0].prefix: "/apps/app" does not end in "/"`) {
 		t.Errorf("check with a prefix lacking \"/\" = %d, %q, %q; want 0 and a warning at line 9", code, out, errOut)
+	}
+	// The second review's tenth finding: plain TCP, even on loopback,
+	// feeding a mount of root's.
+	if !strings.Contains(errOut, "warning: "+warned+`:8: mount[0].source: mount app is root's, and source main feeds it over plain TCP (http://127.0.0.1:2379): a local user who takes that port`) {
+		t.Errorf("check does not warn that plain TCP feeds a mount of root's:\n%s", errOut)
 	}
 
 	invalid := writeFile(t, "bad.toml", `
@@ -203,7 +209,7 @@ prefix = "app/"
 	if strings.Contains(errOut, "abc") || strings.Contains(errOut, "s3cret") {
 		t.Errorf("a warning shows a credential:\n%s", errOut)
 	}
-	if !strings.Contains(out, "6 warnings") || !strings.Contains(out, "check_command: runs in a private mount namespace") {
+	if !strings.Contains(out, "7 warnings") || !strings.Contains(out, "check_command: runs in a private mount namespace") {
 		t.Errorf("check's summary: %q", out)
 	}
 }
@@ -234,7 +240,8 @@ type env struct {
 
 func newEnv(t *testing.T) *env {
 	t.Helper()
-	base := t.TempDir()
+	// Reachable by other users: check commands run as nobody.
+	base := roottest.TempDir(t)
 	srv, cli := etcdtest.Start(t)
 	return &env{t: t, etcd: srv, cli: cli, base: base, config: filepath.Join(base, "kvmount.toml")}
 }
