@@ -27,6 +27,11 @@ type Projection struct {
 	Missing bool
 	// Entries maps keys relative to Prefix to their values.
 	Entries map[string][]byte
+	// Oversized maps keys whose values the source did not keep, being
+	// larger than any mount following it takes, to their sizes in bytes
+	// (source.Snapshot.Oversized): such a key fails the mount as a value
+	// over MaxValueSize would.
+	Oversized map[string]int64
 }
 
 // Item maps one key to a path, the kubelet's KeyToPath.
@@ -201,8 +206,12 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				}
 				return fmt.Errorf("mount %q: path %q comes from both source %q key %q and source %q key %q", mount, clean, projections[by.projection].Source, by.key, pr.Source, pr.Prefix+key)
 			}
-			if opts.MaxFiles > 0 && len(payload) >= opts.MaxFiles {
-				return fmt.Errorf("mount %q: the payload has more files than %w (%d) allows", mount, ErrTooManyFiles, opts.MaxFiles)
+			newDirs := 0
+			for dir := path.Dir(clean); dir != "." && !dirs[dir]; dir = path.Dir(dir) {
+				newDirs++
+			}
+			if opts.MaxFiles > 0 && len(payload)+len(dirs)+newDirs >= opts.MaxFiles+1 {
+				return tooManyFiles(mount, len(payload)+1, len(dirs)+newDirs, opts.MaxFiles)
 			}
 			if opts.MaxValueSize > 0 && int64(len(value)) > opts.MaxValueSize {
 				return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds %w (%d bytes)", mount, pr.Source, pr.Prefix+key, len(value), ErrValueTooLarge, opts.MaxValueSize)
@@ -218,6 +227,9 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				view.Add(clean, pr.Prefix+key, value)
 			}
 			return nil
+		}
+		if err := oversized(mount, pr, opts); err != nil {
+			return nil, nil, err
 		}
 		if pr.Items == nil {
 			keys := make([]string, 0, len(pr.Entries))
@@ -260,15 +272,54 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			return nil, nil, err
 		}
 	}
-	if opts.MaxFiles > 0 && len(payload) > opts.MaxFiles {
-		return nil, nil, fmt.Errorf("mount %q: the payload has more files than %w (%d) allows", mount, ErrTooManyFiles, opts.MaxFiles)
+	ndirs := len(directories(payload))
+	if opts.MaxFiles > 0 && len(payload)+ndirs > opts.MaxFiles {
+		return nil, nil, tooManyFiles(mount, len(payload), ndirs, opts.MaxFiles)
 	}
 	if opts.MaxSize > 0 {
-		if size := payload.Size(); size > opts.MaxSize {
-			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes exceeds %w (%d bytes); the largest file is %q", mount, size, ErrMountTooLarge, opts.MaxSize, largest(payload))
+		if size := payload.Size() + int64(ndirs)*pageSize; size > opts.MaxSize {
+			dirsNote := ""
+			if ndirs > 0 {
+				// A directory takes a block on disk, a page on tmpfs.
+				dirsNote = fmt.Sprintf(" (%d bytes counted for each of its %d directories)", pageSize, ndirs)
+			}
+			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes%s exceeds %w (%d bytes); the largest file is %q", mount, size, dirsNote, ErrMountTooLarge, opts.MaxSize, largest(payload))
 		}
 	}
 	return payload, rejected, nil
+}
+
+// oversized returns the error of the first key of pr (in byte order) whose
+// value the source did not keep for its size (Projection.Oversized) and
+// that pr projects: every key without items, the items' keys with.
+func oversized(mount string, pr Projection, opts Options) error {
+	if len(pr.Oversized) == 0 {
+		return nil
+	}
+	var keys []string
+	for key := range pr.Oversized {
+		if key == "" || strings.HasSuffix(key, "/") {
+			continue
+		}
+		if pr.Items != nil && !slices.ContainsFunc(pr.Items, func(it Item) bool { return it.Key == key }) {
+			continue
+		}
+		keys = append(keys, key)
+	}
+	if len(keys) == 0 {
+		return nil
+	}
+	slices.Sort(keys)
+	return fmt.Errorf("mount %q: source %q key %q: value of %d bytes exceeds %w (%d bytes)", mount, pr.Source, pr.Prefix+keys[0], pr.Oversized[keys[0]], ErrValueTooLarge, opts.MaxValueSize)
+}
+
+// tooManyFiles is the error of a payload of files files in dirs
+// directories, which together are more than maxFiles (max_files counts a
+// directory as a file: on every medium a directory costs an inode, and
+// deep keys would otherwise make thousands of them in a mount allowed a
+// few files).
+func tooManyFiles(mount string, files, dirs, maxFiles int) error {
+	return fmt.Errorf("mount %q: the payload has more files and directories (%d files in %d directories) than %w (%d) allows", mount, files, dirs, ErrTooManyFiles, maxFiles)
 }
 
 // renderTemplates renders opts.Templates over the keys of view (the

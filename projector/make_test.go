@@ -215,3 +215,44 @@ func TestPathTakenNamesTheKeyPlaced(t *testing.T) {
 		t.Errorf("not rejected: %v", want)
 	}
 }
+
+// TestDirectoriesCountAgainstTheLimits is the second review's eighth
+// finding: two keys 1,000 levels deep made 2,005 directories in a mount
+// allowed 5 files. A directory counts as a file against max_files and as
+// a page against max_mount_size, on every medium, so that such a payload
+// is refused before anything is written.
+func TestDirectoriesCountAgainstTheLimits(t *testing.T) {
+	deep := func(leaf string) string { return strings.Repeat("d/", 1000) + leaf }
+	projections := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{deep("a"): []byte("1"), deep("b"): []byte("2")}}}
+	opts := Options{Mode: 0o644, UID: -1, GID: -1, MaxFiles: 5}
+	if _, _, err := MakePayload("m", projections, opts); !errors.Is(err, ErrTooManyFiles) || !strings.Contains(err.Error(), "1000 directories") {
+		t.Errorf("deep keys under max_files = 5: %v; want ErrTooManyFiles", err)
+	}
+	opts = Options{Mode: 0o644, UID: -1, GID: -1, MaxSize: 64 << 10}
+	if _, _, err := MakePayload("m", projections, opts); !errors.Is(err, ErrMountTooLarge) || !strings.Contains(err.Error(), "1000 directories") {
+		t.Errorf("deep keys under max_mount_size = 64 KiB: %v; want ErrMountTooLarge counting the directories", err)
+	}
+	// Within the limits: one file in two directories is three entries.
+	small := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"x/y/z": []byte("1")}}}
+	if _, _, err := MakePayload("m", small, Options{Mode: 0o644, UID: -1, GID: -1, MaxFiles: 3}); err != nil {
+		t.Errorf("one file in two directories under max_files = 3: %v", err)
+	}
+	if _, _, err := MakePayload("m", small, Options{Mode: 0o644, UID: -1, GID: -1, MaxFiles: 2}); !errors.Is(err, ErrTooManyFiles) {
+		t.Errorf("one file in two directories under max_files = 2: %v; want ErrTooManyFiles", err)
+	}
+}
+
+// TestOversizedKeysFailTheMount: a key whose value the source did not keep
+// for its size (Projection.Oversized) fails the mount as a value over
+// max_value_size does, naming key and size — unless items leave it out.
+func TestOversizedKeysFailTheMount(t *testing.T) {
+	pr := Projection{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1")}, Oversized: map[string]int64{"big": 1_400_000}}
+	opts := Options{Mode: 0o644, UID: -1, GID: -1, MaxValueSize: 1 << 20}
+	if _, _, err := MakePayload("m", []Projection{pr}, opts); !errors.Is(err, ErrValueTooLarge) || !strings.Contains(err.Error(), `key "/p/big": value of 1400000 bytes`) {
+		t.Errorf("an oversized key: %v; want ErrValueTooLarge naming it", err)
+	}
+	pr.Items = []Item{{Key: "a", Path: "a"}}
+	if got, _, err := MakePayload("m", []Projection{pr}, opts); err != nil || len(got) != 1 {
+		t.Errorf("items without the oversized key: %v, %v; want a alone", got, err)
+	}
+}

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvmount/kvmount/fsutil"
 )
 
@@ -65,7 +67,12 @@ type WriterOptions struct {
 	// removes the new one and returns the error wrapped with
 	// ErrCheckFailed. The version switched in afterwards is the very
 	// directory the check saw: the switch refuses any other
-	// (ErrVersionVanished).
+	// (ErrVersionVanished). Until the check has ended the version's
+	// directories are kvmount's and writable by it alone, whatever
+	// DirUID and DirMode say, and it holds only regular files kvmount
+	// created or verified (a file linked from the current version that is
+	// no longer the one written is written anew): no user can make the
+	// check read anything else, or wait on a FIFO.
 	Check func(Candidate) error
 	// Grace is how long a replaced version directory stays after a
 	// switch, so that a reader that resolved ..data just before it can
@@ -80,6 +87,13 @@ type WriterOptions struct {
 	// change at once, and a reader that resolved ..data just before may
 	// find its files gone. kvmount's default is DefaultGrace.
 	Grace time.Duration
+	// MaxFileSize and MaxFiles bound what reading a version back
+	// (adoption without a manifest, verification) reads, in bytes per file
+	// and in files: a version on disk beyond them is not read but
+	// rewritten. Zero means no bound; kvmount sets the mount's
+	// max_value_size and max_files.
+	MaxFileSize int64
+	MaxFiles    int
 	// ManifestDir is the directory, outside the mount, where the writer
 	// keeps its versions' manifests (see manifest.go): one it alone uses,
 	// reached without a symlink in any component. "" keeps none: every
@@ -131,6 +145,9 @@ type AtomicWriter struct {
 	root *os.Root
 	// ident identifies the directory root holds.
 	ident fsutil.Ident
+	// mount is a plain handle on the directory root holds, for the *at
+	// system calls of removals (never read from: it shares its offset).
+	mount *os.File
 	// manifests is the manifest directory (WriterOptions.ManifestDir)
 	// held open, nil without one.
 	manifests *os.File
@@ -156,8 +173,14 @@ type AtomicWriter struct {
 	// setVisible, read them with knownVisible.
 	visible   map[string]bool
 	visibleOf *version
-	uid       int
-	gid       int
+	// left holds the entries of the mount directory that were to be
+	// removed but that the rights of removals could not remove (see
+	// removeTree), and leftErr why: they stay, and verification does not
+	// take them for drift it could repair.
+	left    map[string]bool
+	leftErr error
+	uid     int
+	gid     int
 }
 
 // version is one version directory and what it holds.
@@ -328,10 +351,16 @@ func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWrit
 		opts.DirMode = 0o755
 	}
 	opts.Grace = max(opts.Grace, 0)
-	w := &AtomicWriter{dir: dir, root: root, ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}
+	fd, err := unix.FcntlInt(d.Fd(), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		root.Close()
+		return nil, fmt.Errorf("atomic writer: %w", err)
+	}
+	w := &AtomicWriter{dir: dir, root: root, mount: os.NewFile(uintptr(fd), dir), ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}
 	if opts.ManifestDir != "" {
 		if w.manifests, err = fsutil.OpenDir(opts.ManifestDir); err != nil {
 			root.Close()
+			w.mount.Close()
 			return nil, fmt.Errorf("atomic writer: manifests: %w", err)
 		}
 	}
@@ -379,6 +408,7 @@ func (w *AtomicWriter) Close() error {
 	if w.manifests != nil {
 		w.manifests.Close()
 	}
+	w.mount.Close()
 	return w.root.Close()
 }
 
@@ -426,14 +456,20 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	}
 	if w.opts.Check != nil {
 		if err := w.opts.Check(Candidate{MountDir: w.dir, Version: name, Mount: w.ident, VersionIdent: built.ident}); err != nil {
-			_ = w.root.RemoveAll(name)
+			_ = w.removeTree(w.mount, name, true)
 			return Change{}, fmt.Errorf("atomic writer: %w: %w", ErrCheckFailed, err)
+		}
+		if w.candidateDirs() {
+			if err := w.handOver(name, built.dirs); err != nil {
+				_ = w.removeTree(w.mount, name, true)
+				return Change{}, err
+			}
 		}
 	}
 	// New visible names dangle until the switch, then resolve: a crash at
 	// any point leaves every name of the current version visible.
 	if err := w.makingRoom(func() error { return w.addVisible(payload) }); err != nil {
-		_ = w.root.RemoveAll(name)
+		_ = w.removeTree(w.mount, name, true)
 		return Change{}, err
 	}
 	var switched bool
@@ -447,7 +483,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		return err
 	})
 	if !switched {
-		_ = w.root.RemoveAll(name)
+		_ = w.removeTree(w.mount, name, true)
 		return Change{}, err
 	}
 	err = syncErr
@@ -605,13 +641,24 @@ func checkConflicts(payload Payload) error {
 	return nil
 }
 
-// isVersionName reports whether name has the form of a version directory,
-// ..2006_01_02_15_04_05.<suffix>.
+// isVersionName reports whether name has exactly the form of a version
+// directory kvmount makes, ..2006_01_02_15_04_05.<nine digits>: nothing
+// else found in a mount is adopted as a version, and so no name a user
+// chose (with control characters in it, say) is ever taken for one.
 func isVersionName(name string) bool {
 	stampLen := len(versionTimeLayout)
-	if len(name) < 2+stampLen+2 || !strings.HasPrefix(name, "..") || name[2+stampLen] != '.' {
+	if len(name) != 2+stampLen+1+versionSuffixLen || !strings.HasPrefix(name, "..") || name[2+stampLen] != '.' {
 		return false
+	}
+	for _, c := range name[2+stampLen+1:] {
+		if c < '0' || c > '9' {
+			return false
+		}
 	}
 	_, err := time.Parse(versionTimeLayout, name[2:2+stampLen])
 	return err == nil
 }
+
+// versionSuffixLen is the length of a version directory's random suffix,
+// in decimal digits.
+const versionSuffixLen = 9

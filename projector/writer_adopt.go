@@ -5,15 +5,16 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"maps"
 	"os"
 	"path"
 	"slices"
 	"strings"
-	"syscall"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // What the atomic writer does with a mount directory it did not just write:
@@ -37,6 +38,12 @@ type Adoption struct {
 	ManifestErr error
 	// Removed names the entries AdoptOwned removed, sorted.
 	Removed []string
+	// Left names the entries that were to go — strays, leftovers of an
+	// interrupted write — but that the rights removals take in a mount
+	// someone else can write could not remove (see removeTree), sorted;
+	// LeftErr says why. They stay, and are not taken for content.
+	Left    []string
+	LeftErr error
 }
 
 // Adopt inspects the mount directory and takes over what a previous run
@@ -51,7 +58,20 @@ func (w *AtomicWriter) Adopt() (Adoption, error) {
 	if err != nil {
 		return Adoption{}, err
 	}
-	return w.adopt(entries)
+	w.left, w.leftErr = nil, nil
+	ad, err := w.adopt(entries)
+	ad.Left, ad.LeftErr = w.leftNames(), w.leftErr
+	return ad, err
+}
+
+// Left returns the entries of the mount directory that the last adoption
+// or teardown could not remove with the rights removals take there (see
+// removeTree), sorted, and why.
+func (w *AtomicWriter) Left() ([]string, error) { return w.leftNames(), w.leftErr }
+
+// leftNames returns the names in w.left, sorted.
+func (w *AtomicWriter) leftNames() []string {
+	return slices.Sorted(maps.Keys(w.left))
 }
 
 // AdoptOwned is Adopt for a mount directory kvmount owns: it first
@@ -65,12 +85,11 @@ func (w *AtomicWriter) AdoptOwned() (Adoption, error) {
 	if err != nil {
 		return Adoption{}, err
 	}
-	kept, removed, err := w.removeStrays(entries)
-	if err != nil {
-		return Adoption{Removed: removed}, err
-	}
+	w.left, w.leftErr = nil, nil
+	kept, removed := w.removeStrays(entries)
 	ad, err := w.adopt(kept)
 	ad.Removed = removed
+	ad.Left, ad.LeftErr = w.leftNames(), w.leftErr
 	return ad, err
 }
 
@@ -119,14 +138,14 @@ func (w *AtomicWriter) adopt(entries []mountEntry) (Adoption, error) {
 	} else {
 		ad.ManifestErr = err
 	}
-	payload, err := w.readVersion(current)
+	payload, dirsMatch, err := w.readVersion(current)
 	if err != nil {
 		// An unreadable version is not an error: the next Write
 		// rewrites every file.
 		return ad, nil
 	}
 	w.current = &version{name: current, payload: payload, noManifest: true}
-	w.rebuildDirs = !w.dirsMatch(current)
+	w.rebuildDirs = !dirsMatch
 	w.setVisible(visible)
 	ad.Files = len(payload)
 	return ad, nil
@@ -156,52 +175,45 @@ func (w *AtomicWriter) adoptManifest(name string) (*version, error) {
 	return &version{name: name, manifest: m}, nil
 }
 
+// dropManifest removes the manifest of the version directory version, whose
+// bytes were found to differ from what was written: a manifest never
+// overrules bytes that were read, so the next adoption reads the version
+// and the repair rewrites what differs.
+func (w *AtomicWriter) dropManifest(version string) {
+	if w.manifests != nil {
+		_ = unix.Unlinkat(int(w.manifests.Fd()), manifestFile(version), 0)
+	}
+}
+
 // removeStrays removes the entries that are not the writer's
 // (mountEntry.isWriters) and returns those kept and the names removed, in
 // the order of entries.
-func (w *AtomicWriter) removeStrays(entries []mountEntry) (kept []mountEntry, removed []string, err error) {
+func (w *AtomicWriter) removeStrays(entries []mountEntry) (kept []mountEntry, removed []string) {
 	for _, e := range entries {
 		if e.isWriters() {
 			kept = append(kept, e)
 			continue
 		}
-		if err := w.root.RemoveAll(e.name); err != nil {
-			return nil, removed, fmt.Errorf("atomic writer: remove stray entry: %w", err)
+		if err := w.removeTree(w.mount, e.name, true); err != nil {
+			w.leave(e.name, err)
+			continue
 		}
 		removed = append(removed, e.name)
 	}
 	if len(removed) > 0 {
 		w.setVisible(nil)
 	}
-	return kept, removed, nil
+	return kept, removed
 }
 
-// dirsMatch reports whether the version directory name and every
-// directory inside it have the writer's mode and owner.
-func (w *AtomicWriter) dirsMatch(name string) bool {
-	match := true
-	_ = fs.WalkDir(w.root.FS(), name, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			match = false
-			return fs.SkipAll
-		}
-		if !d.IsDir() {
-			return nil
-		}
-		info, err := w.root.Lstat(p)
-		if err != nil {
-			match = false
-			return fs.SkipAll
-		}
-		st, ok := info.Sys().(*syscall.Stat_t)
-		if info.Mode().Perm() != w.opts.DirMode.Perm() || !ok ||
-			w.opts.DirUID >= 0 && int(st.Uid) != w.opts.DirUID || w.opts.DirGID >= 0 && int(st.Gid) != w.opts.DirGID {
-			match = false
-			return fs.SkipAll
-		}
-		return nil
-	})
-	return match
+// leave records that the entry name of the mount directory stays, though
+// it was to go, because removing it failed with err (see Adoption.Left).
+func (w *AtomicWriter) leave(name string, err error) {
+	if w.left == nil {
+		w.left = map[string]bool{}
+	}
+	w.left[name] = true
+	w.leftErr = errors.Join(w.leftErr, err)
 }
 
 // Verify compares the mount directory with the version last written or
@@ -239,20 +251,26 @@ func (w *AtomicWriter) verify() error {
 		}
 		return nil
 	}
-	disk, err := w.readVersion(target)
+	disk, _, err := w.readVersion(target)
 	if err != nil {
+		w.dropManifest(target)
 		return err
 	}
 	for _, name := range w.current.payload.Paths() {
 		got, ok := disk[name]
 		if !ok {
-			return fmt.Errorf("%s is missing", name)
+			w.dropManifest(target)
+			return fmt.Errorf("%s is missing", untrusted.Escape(name))
 		}
 		if !got.Equal(w.current.payload[name]) {
-			return fmt.Errorf("%s differs", name)
+			// The bytes read overrule the manifest, which still matches
+			// by size, mode, owner and inode: an edit in place.
+			w.dropManifest(target)
+			return fmt.Errorf("%s differs", untrusted.Escape(name))
 		}
 	}
 	if len(disk) != len(w.current.payload) {
+		w.dropManifest(target)
 		return fmt.Errorf("version holds %d files, want %d", len(disk), len(w.current.payload))
 	}
 	if err := w.checkManifest(); err != nil {
@@ -265,7 +283,7 @@ func (w *AtomicWriter) verify() error {
 	}
 	for _, e := range entries {
 		name := e.name
-		if name == DataDirName || name == w.current.name || w.isRetired(name) {
+		if name == DataDirName || name == w.current.name || w.isRetired(name) || w.left[name] {
 			continue
 		}
 		if !want[name] {
@@ -418,8 +436,10 @@ func (w *AtomicWriter) sameDir() error {
 }
 
 // Teardown removes everything the writer made: the visible symlinks, ..data,
-// ..data_tmp and every version directory. Foreign entries are left alone.
-// The mount directory itself stays; the caller removes it if it made it.
+// ..data_tmp and every version directory. Foreign entries are left alone,
+// and so is a version directory that the rights of removals cannot remove
+// (see removeTree; Left names them). The mount directory itself stays; the
+// caller removes it if it made it.
 func (w *AtomicWriter) Teardown() error {
 	entries, err := w.list()
 	if err != nil {
@@ -433,7 +453,10 @@ func (w *AtomicWriter) Teardown() error {
 		case name == DataDirName || name == dataTmpName:
 			err = w.root.Remove(name)
 		case isVersionName(name):
-			err = w.root.RemoveAll(name)
+			if err = w.removeTree(w.mount, name, true); err != nil {
+				w.leave(name, err)
+				err = nil
+			}
 		case e.isVisibleLink():
 			err = w.root.Remove(name)
 		}
@@ -476,6 +499,8 @@ func (w *AtomicWriter) removeLeftovers(keep string) error {
 }
 
 // removeLeftoversOf is removeLeftovers over entries, the mount directory's.
+// A version directory that the rights of removals cannot remove (see
+// removeTree) stays, in w.left.
 func (w *AtomicWriter) removeLeftoversOf(entries []mountEntry, keep string) error {
 	for _, e := range entries {
 		name := e.name
@@ -484,7 +509,10 @@ func (w *AtomicWriter) removeLeftoversOf(entries []mountEntry, keep string) erro
 		case name == dataTmpName:
 			err = w.root.Remove(name)
 		case isVersionName(name) && name != keep:
-			err = w.root.RemoveAll(name)
+			if err = w.removeTree(w.mount, name, true); err != nil {
+				w.leave(name, err)
+				continue
+			}
 		}
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return fmt.Errorf("atomic writer: remove leftover: %w", err)
@@ -494,44 +522,6 @@ func (w *AtomicWriter) removeLeftoversOf(entries []mountEntry, keep string) erro
 		return w.pruneManifests()
 	}
 	return w.pruneManifests(keep)
-}
-
-// readVersion reads every file of the version directory name. Anything but
-// regular files and directories inside it is an error.
-func (w *AtomicWriter) readVersion(name string) (Payload, error) {
-	payload := Payload{}
-	err := fs.WalkDir(w.root.FS(), name, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.IsDir() {
-			return nil
-		}
-		if path.Dir(p) == name && strings.HasPrefix(d.Name(), "..") {
-			return nil // an older kvmount's manifest, or its temporary file
-		}
-		if !d.Type().IsRegular() {
-			return fmt.Errorf("%s is not a regular file", p)
-		}
-		info, err := w.root.Lstat(p)
-		if err != nil {
-			return err
-		}
-		data, err := w.root.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		f := File{Data: data, Mode: info.Mode().Perm(), UID: -1, GID: -1}
-		if st, ok := info.Sys().(*syscall.Stat_t); ok {
-			f.UID, f.GID = int(st.Uid), int(st.Gid)
-		}
-		payload[strings.TrimPrefix(p, name+"/")] = f
-		return nil
-	})
-	if err != nil {
-		return nil, fmt.Errorf("atomic writer: read version: %w", err)
-	}
-	return payload, nil
 }
 
 // isVisibleLink reports whether name is a symlink to ..data/name, as the

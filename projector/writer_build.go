@@ -46,7 +46,7 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 	defer func() {
 		newDirs.close()
 		if err != nil {
-			_ = w.root.RemoveAll(partial)
+			_ = w.removeTree(w.mount, partial, true)
 		}
 	}()
 	if newDirs["."], err = w.openVersion(name); err != nil {
@@ -76,9 +76,14 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 				if err := unix.Fstatat(int(newDirs[dir].Fd()), base, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
 					return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
 				}
-				entry.Ino, linked = st.Ino, true
+				if w.current.linkable(p, f, &st) {
+					entry.Ino, linked = st.Ino, true
+				} else if err := unix.Unlinkat(int(newDirs[dir].Fd()), base, 0); err != nil {
+					return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
+				}
 			}
-			// Else the old file is gone (drift): write it instead.
+			// Else the old file is gone or is not the one written (drift,
+			// or a user's swap): write it instead.
 		}
 		if !linked {
 			if entry.Ino, err = w.writeFileAt(newDirs[dir], base, f, syncs); err != nil {
@@ -131,6 +136,7 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 	if built.ident, err = fsutil.IdentOf(newDirs["."]); err != nil {
 		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
 	}
+	built.dirs = dirNames
 	return name, built, nil
 }
 
@@ -138,6 +144,8 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 type builtVersion struct {
 	info  os.FileInfo
 	ident fsutil.Ident
+	// dirs are the directories inside it, parents first.
+	dirs []string
 }
 
 // dirHandles are open directories of one version, by path relative to the
@@ -180,8 +188,28 @@ func (w *AtomicWriter) openVersion(name string) (*os.File, error) {
 	return d, nil
 }
 
+// linkable reports whether st, a file just linked from v into a new
+// version at path p, is v's file f: a regular file with f's owner, mode
+// and size (and, when v is known from its manifest, the inode recorded).
+// The link lands in a directory only root can change (candidateDirs), so
+// what st says stays true; a symlink, FIFO, device or another file that
+// a user who can write v's directories put in its place is not linked but
+// written anew — never followed, opened or handed to a check.
+func (v *version) linkable(p string, f File, st *unix.Stat_t) bool {
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || int(st.Uid) != f.UID || int(st.Gid) != f.GID ||
+		fs.FileMode(st.Mode).Perm() != f.Mode.Perm() || st.Size != int64(len(f.Data)) {
+		return false
+	}
+	if v.payload == nil && v.manifest != nil {
+		i, ok := v.manifest.index[p]
+		return ok && v.manifest.Files[i].Ino == st.Ino
+	}
+	return true
+}
+
 // mkdirAt creates the directory base in parent with the writer's mode and
-// owner, and returns it open.
+// owner — while a check is to see the version, root's (candidateDirs) —
+// and returns it open.
 func (w *AtomicWriter) mkdirAt(parent *os.File, base string) (*os.File, error) {
 	if err := unix.Mkdirat(int(parent.Fd()), base, 0o700); err != nil {
 		return nil, fmt.Errorf("atomic writer: mkdir %s: %w", base, err)
@@ -198,13 +226,57 @@ func (w *AtomicWriter) mkdirAt(parent *os.File, base string) (*os.File, error) {
 	return d, nil
 }
 
-// chmodChownDir gives the open directory d the writer's mode and owner.
+// chmodChownDir gives the open directory d of a version being built the
+// writer's mode and owner; while the version is a candidate that someone
+// else could otherwise change before its check ends (candidateDirs), the
+// owner is kvmount's user and the mode lacks group and other write.
 func (w *AtomicWriter) chmodChownDir(d *os.File) error {
-	if err := d.Chmod(w.opts.DirMode.Perm()); err != nil {
+	mode, uid := w.opts.DirMode.Perm(), w.opts.DirUID
+	if w.candidateDirs() {
+		mode, uid = mode&^0o022, -1
+	}
+	if err := d.Chmod(mode); err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
-	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
-		if err := d.Chown(w.opts.DirUID, w.opts.DirGID); err != nil {
+	if uid >= 0 || w.opts.DirGID >= 0 {
+		if err := d.Chown(uid, w.opts.DirGID); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// candidateDirs reports whether a new version's directories are built as
+// kvmount's own, not writable by group or others, and handed to their
+// configured owner and mode only once its check has ended (handOver): with
+// a Check, when the directories belong to another user or others may
+// write them. Until then no user but root can add, remove or swap an entry
+// of the candidate, so that the check — which may run as another user
+// than the one who owns the mount, root included — reads exactly the
+// regular files kvmount put there.
+func (w *AtomicWriter) candidateDirs() bool {
+	return w.opts.Check != nil && (w.opts.DirUID >= 0 && w.opts.DirUID != w.uid || w.opts.DirMode.Perm()&0o022 != 0)
+}
+
+// handOver gives the directories of the checked version name their
+// configured owner and mode (see candidateDirs); dirs are their paths
+// relative to the version.
+func (w *AtomicWriter) handOver(name string, dirs []string) error {
+	d, err := w.openVersion(name)
+	if err != nil {
+		return err
+	}
+	h := dirHandles{".": d}
+	defer h.close()
+	for _, dir := range append([]string{"."}, dirs...) {
+		sub := h.open(dir)
+		if sub == nil {
+			return fmt.Errorf("atomic writer: %s: %w: %s/%s", w.dir, ErrVersionVanished, name, dir)
+		}
+		if err := sub.Chmod(w.opts.DirMode.Perm()); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+		if err := sub.Chown(w.opts.DirUID, w.opts.DirGID); err != nil {
 			return fmt.Errorf("atomic writer: %w", err)
 		}
 	}

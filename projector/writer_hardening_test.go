@@ -443,3 +443,49 @@ func mustReadlink(t *testing.T, name string) string {
 	}
 	return target
 }
+
+// TestForgedVersionNamesAreNotAdopted is part of the second review's
+// eleventh finding: the mount's user renamed the version directory to
+// "..<stamp>.1<ESC>]0;pwned<BEL><CR><LF>other current ..." and pointed
+// ..data at it; kvmount adopted it, and kvmount status printed the name
+// raw. Only names of exactly kvmount's form are versions now: such a
+// directory is foreign, removed as a stray from a mount kvmount owns, and
+// the next write puts a version of its own in place.
+func TestForgedVersionNamesAreNotAdopted(t *testing.T) {
+	forged := "..2026_11_22_01_02_03.1\x1b]0;pwned\a\r\nother current"
+	for _, name := range []string{forged, "..2026_11_22_01_02_03.12345678", "..2026_11_22_01_02_03.1234567890", "..2026_11_22_01_02_03.12345678x"} {
+		if isVersionName(name) {
+			t.Errorf("isVersionName(%q) = true", name)
+		}
+	}
+	if !isVersionName("..2026_11_22_01_02_03.123456789") {
+		t.Error("kvmount's own form is not a version name")
+	}
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	payload := Payload{"a": file("1", 0o644)}
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(dir, w.Version()), filepath.Join(dir, forged)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(dir, DataDirName)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(forged, filepath.Join(dir, DataDirName)); err != nil {
+		t.Fatal(err)
+	}
+	w = newWriter(t, dir)
+	ad, err := w.AdoptOwned()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ad.Version != "" || !slices.Contains(ad.Removed, forged) {
+		t.Errorf("AdoptOwned = %+v; want no version adopted, the forged directory removed", ad)
+	}
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	checkMount(t, dir, payload)
+}

@@ -103,8 +103,13 @@ func (w *AtomicWriter) removeVersion(v *version, dirs dirHandles) error {
 	return nil
 }
 
-// removeVersionDir is removeVersion's removal of the directory.
+// removeVersionDir is removeVersion's removal of the directory: by its
+// known files where root alone can write the mount, else as a tree with
+// the rights of whoever else can (removeTree).
 func (w *AtomicWriter) removeVersionDir(v *version, dirs dirHandles) error {
+	if _, _, restricted := w.writerFSID(); restricted {
+		return w.removeAll(v.name)
+	}
 	if dirs["."] == nil {
 		// Not held open by the caller: open it now.
 		d, err := w.openVersion(v.name)
@@ -139,9 +144,10 @@ func (w *AtomicWriter) removeVersionDir(v *version, dirs dirHandles) error {
 	return w.removeAll(v.name)
 }
 
-// removeAll removes the version directory name and everything in it.
+// removeAll removes the version directory name and everything in it
+// (removeTree).
 func (w *AtomicWriter) removeAll(name string) error {
-	if err := w.root.RemoveAll(name); err != nil {
+	if err := w.removeTree(w.mount, name, true); err != nil {
 		return fmt.Errorf("atomic writer: remove previous version: %w", err)
 	}
 	return nil
