@@ -35,6 +35,7 @@ func AdoptStopped(opts Options, mount string) error {
 	if err != nil {
 		return err
 	}
+	defer owned.Close()
 	if err := owned.RemoveManifestDir(mount); err != nil {
 		return err
 	}

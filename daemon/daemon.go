@@ -7,6 +7,7 @@ package daemon
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
 	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // Options configure Run and Once.
@@ -67,6 +69,7 @@ type daemon struct {
 	pop      *reconcile.Populator
 	rec      *reconcile.Reconciler
 	lock     *stateLock
+	owned    *reconcile.Owned
 	notifier *notify.Notifier // nil in Once
 	admin    *admin.Server    // nil in Once
 	service  *service
@@ -92,6 +95,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.lock.release()
 		return nil, err
 	}
+	d.owned = owned
 	observers := reconcile.Observers{observer}
 	if svc != nil {
 		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log,
@@ -144,12 +148,41 @@ func logWarnings(log *slog.Logger, cfg *config.Config) {
 }
 
 // NewLogger returns a logger writing text or JSON lines to w at level.
+// Every string it logs — messages, string attributes, errors, lists of
+// names — is escaped first (untrusted.Escape): log lines carry key names,
+// paths found on disk, servers' status lines and commands' output, which
+// others choose, and a JSON line would otherwise pass C1 controls and
+// bidirectional overrides to the terminal that shows it.
 func NewLogger(w io.Writer, format string, level slog.Leveler) *slog.Logger {
-	opts := &slog.HandlerOptions{Level: level}
+	opts := &slog.HandlerOptions{Level: level, ReplaceAttr: escapeAttr}
 	if format == "json" {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// escapeAttr escapes the outside text an attribute may carry.
+func escapeAttr(_ []string, a slog.Attr) slog.Attr {
+	switch v := a.Value; v.Kind() {
+	case slog.KindString:
+		if s := v.String(); untrusted.Escape(s) != s {
+			a.Value = slog.StringValue(untrusted.Escape(s))
+		}
+	case slog.KindAny:
+		switch x := v.Any().(type) {
+		case error:
+			a.Value = slog.StringValue(untrusted.Escape(x.Error()))
+		case []string:
+			escaped := make([]string, len(x))
+			for i, s := range x {
+				escaped[i] = untrusted.Escape(s)
+			}
+			a.Value = slog.AnyValue(escaped)
+		case fmt.Stringer:
+			a.Value = slog.StringValue(untrusted.Escape(x.String()))
+		}
+	}
+	return a
 }
 
 // openSources opens every source of cfg, reusing the instances whose
@@ -200,6 +233,9 @@ func (d *daemon) close() {
 	}
 	if d.notifier != nil {
 		d.notifier.Close()
+	}
+	if d.owned != nil {
+		d.owned.Close()
 	}
 	d.lock.release()
 }

@@ -3,6 +3,7 @@ package daemon
 import (
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -10,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/fsutil"
 )
 
 // LockFile is the name of the lock file in the state directory.
@@ -24,37 +27,39 @@ var ErrLocked = errors.New("another kvmount is running with this state directory
 // of a run.
 type stateLock struct{ f *os.File }
 
-// lockStateDir creates stateDir if needed (mode 0700; a wider mode is
-// tightened to 0700, as the directory holds the record of owned mounts),
-// and takes an exclusive flock(2) on its kvmount.lock, without waiting. The
-// lock file then holds this process's PID. When another process holds the
-// lock, it returns an error wrapping ErrLocked that names the lock file and,
-// where the file tells it, the holder's PID. The lock is released by
+// lockStateDir opens stateDir with fsutil.OpenPrivateDir — creating it
+// (mode 0700) if needed, tightening a wider mode to 0700, refusing one that
+// anyone but root can write or replace — and takes an exclusive flock(2)
+// on its kvmount.lock, opened relative to the directory's handle without
+// following a symlink or blocking on a FIFO, without waiting. The lock
+// file then holds this process's PID. When another process holds the
+// lock, it returns an error wrapping ErrLocked that names the lock file
+// and, where the file tells it, the holder's PID. The lock is released by
 // release, or by the kernel when the process ends however it ends.
 func lockStateDir(stateDir string) (*stateLock, error) {
-	if err := os.MkdirAll(stateDir, 0o700); err != nil {
-		return nil, fmt.Errorf("state: %w", err)
-	}
-	info, err := os.Stat(stateDir)
+	dir, err := fsutil.OpenPrivateDir(stateDir)
 	if err != nil {
-		return nil, fmt.Errorf("state: %w", err)
+		return nil, fmt.Errorf("state_dir: %w", err)
 	}
-	if info.Mode().Perm()&0o077 != 0 {
-		if err := os.Chmod(stateDir, 0o700); err != nil {
-			return nil, fmt.Errorf("state: %w", err)
-		}
-	}
+	defer dir.Close()
 	path := filepath.Join(stateDir, LockFile)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	fd, err := unix.Openat(int(dir.Fd()), LockFile, unix.O_RDWR|unix.O_CREAT|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0o600)
 	if err != nil {
-		return nil, fmt.Errorf("state: %w", err)
+		return nil, fmt.Errorf("state: %w", &fs.PathError{Op: "open", Path: path, Err: err})
+	}
+	f := os.NewFile(uintptr(fd), path)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG {
+		f.Close()
+		return nil, fmt.Errorf("state: %s is not a regular file", path)
 	}
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		f.Close()
+		defer f.Close()
 		if errors.Is(err, unix.EWOULDBLOCK) {
 			holder := ""
-			if data, err := os.ReadFile(path); err == nil {
-				if pid, err := strconv.Atoi(strings.TrimSpace(string(data))); err == nil && pid > 0 {
+			buf := make([]byte, 32)
+			if n, err := f.ReadAt(buf, 0); n > 0 && (err == nil || errors.Is(err, io.EOF)) {
+				if pid, err := strconv.Atoi(strings.TrimSpace(string(buf[:n]))); err == nil && pid > 0 {
 					holder = fmt.Sprintf(" (pid %d)", pid)
 				}
 			}

@@ -4,13 +4,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"maps"
 	"os"
 	"path/filepath"
 	"sync"
 
-	"github.com/google/renameio/v2"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/fsutil"
@@ -76,6 +76,9 @@ func sameIdent(a, b *fsutil.Ident) bool {
 type Owned struct {
 	path     string
 	stateDir string
+	// dir is the state directory held open (fsutil.OpenPrivateDir):
+	// the record is read and written relative to it.
+	dir *os.File
 
 	mu      sync.Mutex
 	written *sync.Cond // signalled, with mu, when a write ends
@@ -94,32 +97,101 @@ type ownedState struct {
 	Mounts  map[string]Record `json:"mounts"`
 }
 
-// LoadOwned reads the record in stateDir, creating the directory (mode
-// 0700) if needed. A missing record is an empty one.
+// maxOwnedSize bounds what is read of the record, in bytes.
+const maxOwnedSize = 64 << 20
+
+// LoadOwned reads the record in stateDir, which it opens with
+// fsutil.OpenPrivateDir — creating it (mode 0700) if needed, and refusing
+// a directory anyone but root can write or replace (fsutil.ErrNotPrivate):
+// a record others could forge would make kvmount take over, and empty, a
+// directory of theirs. A missing record is an empty one; the record is
+// read without following a symlink or blocking on a FIFO, and must be a
+// regular file of at most 64 MiB. Close releases the directory.
 func LoadOwned(stateDir string) (*Owned, error) {
-	if err := os.MkdirAll(stateDir, 0o700); err != nil {
-		return nil, fmt.Errorf("state: %w", err)
+	dir, err := fsutil.OpenPrivateDir(stateDir)
+	if err != nil {
+		return nil, fmt.Errorf("state_dir: %w", err)
 	}
-	o := &Owned{path: filepath.Join(stateDir, ownedFile), stateDir: stateDir, records: map[string]Record{}}
+	o := &Owned{path: filepath.Join(stateDir, ownedFile), stateDir: stateDir, dir: dir, records: map[string]Record{}}
 	o.written = sync.NewCond(&o.mu)
-	data, err := os.ReadFile(o.path)
+	data, err := readPrivate(dir, ownedFile, maxOwnedSize)
 	if errors.Is(err, fs.ErrNotExist) {
 		return o, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("state: %w", err)
+		dir.Close()
+		return nil, fmt.Errorf("state: %s: %w", o.path, err)
 	}
 	var st ownedState
 	if err := json.Unmarshal(data, &st); err != nil {
+		dir.Close()
 		return nil, fmt.Errorf("state: %s: %w", o.path, err)
 	}
 	if st.Version != 1 {
+		dir.Close()
 		return nil, fmt.Errorf("state: %s: unknown version %d", o.path, st.Version)
 	}
 	if st.Mounts != nil {
 		o.records = st.Mounts
 	}
 	return o, nil
+}
+
+// Close releases the state directory.
+func (o *Owned) Close() error { return o.dir.Close() }
+
+// readPrivate reads the file name of dir: opened without following a
+// symlink or blocking on a FIFO, a regular file of at most limit bytes.
+// A missing file is an error wrapping fs.ErrNotExist.
+func readPrivate(dir *os.File, name string, limit int64) ([]byte, error) {
+	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &fs.PathError{Op: "open", Path: name, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), name)
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, &fs.PathError{Op: "fstat", Path: name, Err: err}
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size > limit {
+		return nil, fmt.Errorf("%s: not a regular file of at most %d bytes", name, limit)
+	}
+	return io.ReadAll(io.LimitReader(f, limit))
+}
+
+// writePrivate replaces the file name of dir with data, mode 0600,
+// atomically and durably: written to name.tmp (created exclusively, a
+// stale one removed first), fsynced, renamed over name, and dir fsynced —
+// every step relative to dir's handle, following no symlink.
+func writePrivate(dir *os.File, name string, data []byte) error {
+	tmp := name + ".tmp"
+	if err := unix.Unlinkat(int(dir.Fd()), tmp, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return &fs.PathError{Op: "remove", Path: tmp, Err: err}
+	}
+	fd, err := unix.Openat(int(dir.Fd()), tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return &fs.PathError{Op: "create", Path: tmp, Err: err}
+	}
+	f := os.NewFile(uintptr(fd), tmp)
+	_, err = f.Write(data)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = unix.Renameat(int(dir.Fd()), tmp, int(dir.Fd()), name)
+	}
+	if err == nil {
+		err = dir.Sync()
+	}
+	if err != nil {
+		_ = unix.Unlinkat(int(dir.Fd()), tmp, 0)
+		return fmt.Errorf("write %s: %w", name, err)
+	}
+	return nil
 }
 
 // ManifestDir returns the directory that holds the manifests of mount's
@@ -129,11 +201,10 @@ func (o *Owned) ManifestDir(mount string) string {
 }
 
 // MakeManifestDir creates mount's manifest directory (ManifestDir) and
-// its parent when missing, mode 0700, without following a symlink in any
-// component, and returns its path.
+// its parent when missing, mode 0700, relative to the state directory's
+// handle, and returns its path.
 func (o *Owned) MakeManifestDir(mount string) (string, error) {
-	dir := o.ManifestDir(mount)
-	parent, _, err := fsutil.MakeDir(filepath.Dir(dir), 0o700, -1, -1)
+	parent, _, err := fsutil.MakeDirAt(o.dir, manifestsDir, 0o700, -1, -1)
 	if err != nil {
 		return "", fmt.Errorf("state: %w", err)
 	}
@@ -143,38 +214,45 @@ func (o *Owned) MakeManifestDir(mount string) (string, error) {
 		return "", fmt.Errorf("state: %w", err)
 	}
 	d.Close()
-	return dir, nil
+	return o.ManifestDir(mount), nil
 }
 
 // RemoveManifestDir removes mount's manifest directory and the manifests
-// in it; a missing one is no error.
+// in it, relative to the state directory's handle; a missing one is no
+// error.
 func (o *Owned) RemoveManifestDir(mount string) error {
-	dir := o.ManifestDir(mount)
-	d, err := fsutil.OpenDir(dir)
-	if errors.Is(err, fs.ErrNotExist) {
+	pfd, err := unix.Openat(int(o.dir.Fd()), manifestsDir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("state: %w", err)
+		return fmt.Errorf("state: open %s: %w", manifestsDir, err)
 	}
+	parent := os.NewFile(uintptr(pfd), manifestsDir)
+	defer parent.Close()
+	fd, err := unix.Openat(pfd, mount, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("state: remove the manifests of mount %q: %w", mount, err)
+	}
+	d := os.NewFile(uintptr(fd), mount)
 	names, err := d.Readdirnames(-1)
 	for _, name := range names {
 		if err == nil {
-			if err = unix.Unlinkat(int(d.Fd()), name, 0); errors.Is(err, unix.ENOENT) {
+			if err = unix.Unlinkat(fd, name, 0); errors.Is(err, unix.ENOENT) {
 				err = nil
 			}
 		}
 	}
 	d.Close()
-	if err != nil {
-		return fmt.Errorf("state: remove the manifests of mount %q: %w", mount, err)
+	if err == nil {
+		if err = unix.Unlinkat(pfd, mount, unix.AT_REMOVEDIR); errors.Is(err, unix.ENOENT) {
+			err = nil
+		}
 	}
-	parent, err := fsutil.OpenDir(filepath.Dir(dir))
 	if err != nil {
-		return fmt.Errorf("state: %w", err)
-	}
-	defer parent.Close()
-	if err := unix.Unlinkat(int(parent.Fd()), mount, unix.AT_REMOVEDIR); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("state: remove the manifests of mount %q: %w", mount, err)
 	}
 	return nil
@@ -250,15 +328,10 @@ func (o *Owned) commit() error {
 	return o.saveErr
 }
 
-// save writes data as the record, durably.
+// save writes data as the record, durably (writePrivate).
 func (o *Owned) save(data []byte) error {
-	if err := renameio.WriteFile(o.path, append(data, '\n'), 0o600); err != nil {
-		return fmt.Errorf("state: %w", err)
-	}
-	// renameio syncs the file before the rename; the rename itself is
-	// durable once the directory is synced.
-	if err := fsutil.SyncDir(filepath.Dir(o.path)); err != nil {
-		return fmt.Errorf("state: %w", err)
+	if err := writePrivate(o.dir, ownedFile, append(data, '\n')); err != nil {
+		return fmt.Errorf("state: %s: %w", o.path, err)
 	}
 	return nil
 }

@@ -114,7 +114,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitOK
 	case "check":
 		var cfg *config.Config
-		cfg, err = config.Load(*configPath, opts.Registry.Decoders())
+		cfg, err = loadOrStop(ctx, *configPath, opts)
+		if err == nil {
+			err = daemon.CheckStateDir(cfg)
+		}
 		if err == nil {
 			warnings := len(cfg.Warnings)
 			for _, w := range cfg.Warnings {
@@ -157,6 +160,27 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return exitFailure
 	}
 	return exitOK
+}
+
+// loadOrStop loads the configuration file, or returns ctx's error at once
+// when a signal ends ctx first: no file it names can keep kvmount check
+// from stopping on SIGTERM.
+func loadOrStop(ctx context.Context, path string, opts daemon.Options) (*config.Config, error) {
+	type loaded struct {
+		cfg *config.Config
+		err error
+	}
+	done := make(chan loaded, 1)
+	go func() {
+		cfg, err := config.Load(path, opts.Registry.Decoders())
+		done <- loaded{cfg, err}
+	}()
+	select {
+	case l := <-done:
+		return l.cfg, l.err
+	case <-ctx.Done():
+		return nil, fmt.Errorf("kvmount check: stopped: %w", context.Cause(ctx))
+	}
 }
 
 // watchSecondSignal closes abort when a second SIGTERM or SIGINT arrives
