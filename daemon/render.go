@@ -58,6 +58,7 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 	}
 	cache.SetSources(sources)
 	pop := reconcile.NewPopulator(cache, log)
+	pop.WakeOnBuild(trigger.Fire)
 	defer pop.Close()
 	if err := pop.SetMounts([]*config.Mount{spec}); err != nil {
 		return nil, err

@@ -8,6 +8,7 @@ import (
 	"reflect"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvmount/kvmount/config"
@@ -19,10 +20,11 @@ import (
 // (*source.Cache, through NewPopulator): one shared feed per (source,
 // prefix), acquired and released, and the sources replaced on reload.
 type FeedCache interface {
-	// Acquire returns the feed of (source, prefix); each needs a Release.
-	Acquire(source, prefix string) (Feed, error)
-	// Release gives up one use of f.
-	Release(f Feed)
+	// Acquire returns the feed of (source, prefix) for a use that takes at
+	// most lim; each needs a Release with the same limits.
+	Acquire(source, prefix string, lim source.Limits) (Feed, error)
+	// Release gives up one use of f, acquired with lim.
+	Release(f Feed, lim source.Limits)
 	// SetSources replaces the sources.
 	SetSources(sources map[string]source.Source)
 }
@@ -36,15 +38,35 @@ type Feed interface {
 // sourceCache adapts *source.Cache to FeedCache.
 type sourceCache struct{ c *source.Cache }
 
-func (s sourceCache) Acquire(src, prefix string) (Feed, error) {
-	f, err := s.c.Acquire(src, prefix)
+func (s sourceCache) Acquire(src, prefix string, lim source.Limits) (Feed, error) {
+	f, err := s.c.Acquire(src, prefix, lim)
 	if err != nil {
 		return nil, err
 	}
 	return f, nil
 }
 
-func (s sourceCache) Release(f Feed) { s.c.Release(f.(*source.Feed)) }
+func (s sourceCache) Release(f Feed, lim source.Limits) { s.c.Release(f.(*source.Feed), lim) }
+
+// limitsOf returns what the feeds of projection pr of mount m need to read
+// and keep at most (source.Limits): no value over max_value_size; for a
+// projection whose keys become files without items, no more than twice as
+// many keys as max_files and twice as many bytes as max_mount_size (else
+// max_files × max_value_size) — a payload just over the mount's own limits
+// still reaches MakePayload, which holds it back naming the limit and
+// counts it (kvmount_guard_rejections_total); a prefix far beyond them is
+// not read. A projection with items, or whose keys feed templates only,
+// may hold any number of other keys: those bounds do not apply.
+func limitsOf(m *config.Mount, pr config.Projection) source.Limits {
+	l := source.Limits{MaxValueSize: m.MaxValueSize}
+	if m.KeysAsFiles && pr.Items == nil {
+		l.MaxKeys, l.MaxBytes = 2*m.MaxFiles, 2*m.MaxMountSize
+		if l.MaxBytes == 0 && m.MaxValueSize > 0 {
+			l.MaxBytes = 2 * int64(m.MaxFiles) * m.MaxValueSize
+		}
+	}
+	return l
+}
 
 func (s sourceCache) SetSources(sources map[string]source.Source) { s.c.SetSources(sources) }
 
@@ -67,6 +89,10 @@ type Populator struct {
 	// dsw is the desired state Populate returns, updated in place; nil
 	// when SetMounts changed the mounts, to be built anew.
 	dsw DesiredState
+	// wake is called when a build that runs off the loop ends, so that
+	// the next Populate takes its result; builds counts those running.
+	wake   func()
+	builds sync.WaitGroup
 }
 
 // sourceState is what was last reported of a source.
@@ -95,7 +121,24 @@ type populated struct {
 	// are released and its desired state no longer changes.
 	frozen bool
 	// renders lets templates whose inputs did not change skip rendering.
+	// A build in progress owns it.
 	renders projector.RenderCache
+	// building is set while a build of this mount's payload runs off the
+	// loop (a mount with templates: see buildAsync); built receives its
+	// result, and since it started, the feeds published newer snapshots
+	// when stale is set.
+	building bool
+	built    chan built
+}
+
+// built is the result of a payload build run off the loop.
+type built struct {
+	payload   projector.Payload
+	rejected  []*projector.KeyError
+	err       error
+	snapshots []*source.Snapshot
+	revision  string
+	changedAt time.Time
 }
 
 // NewPopulator returns a populator with no mounts, reading feeds from cache.
@@ -116,10 +159,14 @@ func NewPopulatorFor(cache FeedCache, log *slog.Logger) *Populator {
 // a source the cache does not have) nothing changes.
 func (p *Populator) SetMounts(mounts []*config.Mount) error {
 	next := make(map[string]*populated, len(mounts))
-	var acquired []Feed
+	type use struct {
+		f   Feed
+		lim source.Limits
+	}
+	var acquired []use
 	undo := func() {
-		for _, f := range acquired {
-			p.cache.Release(f)
+		for _, u := range acquired {
+			p.cache.Release(u.f, u.lim)
 		}
 	}
 	for _, m := range mounts {
@@ -129,12 +176,13 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 		}
 		pm := &populated{spec: m, rejected: map[string]bool{}}
 		for _, pr := range m.Projections {
-			f, err := p.cache.Acquire(pr.Source, pr.Prefix)
+			lim := limitsOf(m, pr)
+			f, err := p.cache.Acquire(pr.Source, pr.Prefix, lim)
 			if err != nil {
 				undo()
 				return fmt.Errorf("mount %q: %w", m.Name, err)
 			}
-			acquired = append(acquired, f)
+			acquired = append(acquired, use{f, lim})
 			pm.feeds = append(pm.feeds, f)
 		}
 		pm.snapshots = make([]*source.Snapshot, len(pm.feeds))
@@ -143,9 +191,7 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 	}
 	for name, old := range p.mounts {
 		if next[name] != old {
-			for _, f := range old.feeds {
-				p.cache.Release(f)
-			}
+			p.releaseFeeds(old)
 		}
 	}
 	p.mounts = next
@@ -159,9 +205,16 @@ func (p *Populator) SetSources(sources map[string]source.Source) {
 	p.cache.SetSources(sources)
 }
 
-// Close releases every feed.
+// WakeOnBuild makes f be called whenever a payload build that runs off the
+// caller's loop ends (a mount with templates), so that the loop calls
+// Populate again; the Reconciler sets its trigger.
+func (p *Populator) WakeOnBuild(f func()) { p.wake = f }
+
+// Close releases every feed, and waits for the builds in progress (each
+// bounded by its templates' render timeout).
 func (p *Populator) Close() {
 	_ = p.SetMounts(nil)
+	p.builds.Wait()
 }
 
 // Populate returns the desired state of world, rebuilding the payload of
@@ -237,6 +290,10 @@ func (p *Populator) populate(pm *populated) bool {
 	if pm.frozen {
 		return false
 	}
+	took := p.takeBuilt(pm)
+	if pm.frozen {
+		return took
+	}
 	states := make([]source.FeedState, len(pm.feeds))
 	changed, rebuild := pm.desired == nil, pm.desired == nil
 	for i, f := range pm.feeds {
@@ -249,7 +306,7 @@ func (p *Populator) populate(pm *populated) bool {
 		}
 	}
 	if !changed {
-		return false
+		return took
 	}
 	m := pm.spec
 	d := &DesiredMount{Spec: m}
@@ -269,7 +326,7 @@ func (p *Populator) populate(pm *populated) bool {
 		revisions = append(revisions, pr.Source+"@"+st.Snapshot.Revision)
 		pp := projector.Projection{
 			Source: pr.Source, Prefix: pr.Prefix, Optional: pr.Optional,
-			Missing: st.Snapshot.Missing, Entries: st.Snapshot.Entries,
+			Missing: st.Snapshot.Missing, Entries: st.Snapshot.Entries, Oversized: st.Snapshot.Oversized,
 		}
 		if pr.Items != nil {
 			pp.Items = make([]projector.Item, len(pr.Items))
@@ -286,22 +343,22 @@ func (p *Populator) populate(pm *populated) bool {
 	case !rebuild && pm.desired != nil:
 		// Only health changed: same payload, same generation.
 		d.Payload, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
+	case len(m.Templates) > 0:
+		// Rendering may take up to its timeout per template: off the
+		// loop, so that it delays this mount alone.
+		p.buildAsync(pm, projections, slices.Clone(pm.snapshots), d.Revision)
+		if pm.desired == nil {
+			d.Generation = 0 // nothing to project before the first build
+		} else {
+			// The last payload stays desired meanwhile; its health is now.
+			d.Payload, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
+		}
 	default:
 		p.generation++
 		d.Generation = p.generation
 		d.ChangedAt = time.Now()
-		payload, rejected, err := projector.MakePayload(m.Name, projections, projector.Options{
-			Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
-			MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles,
-			Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles, Renders: &pm.renders,
-		})
-		if err != nil {
-			d.Err = err
-			p.reportTooLarge(m.Name, d, err)
-		} else {
-			d.Payload = payload
-		}
-		p.reportRejected(pm, rejected)
+		payload, rejected, err := projector.MakePayload(m.Name, projections, p.options(pm))
+		p.setPayload(pm, d, payload, rejected, err)
 	}
 	p.reportState(pm, d)
 	pm.desired = d
@@ -311,16 +368,100 @@ func (p *Populator) populate(pm *populated) bool {
 	return true
 }
 
+// options returns the options of pm's payload build.
+func (p *Populator) options(pm *populated) projector.Options {
+	m := pm.spec
+	return projector.Options{
+		Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
+		MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles,
+		Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles, Renders: &pm.renders,
+	}
+}
+
+// setPayload makes a build's result d's payload or error, and reports it.
+func (p *Populator) setPayload(pm *populated, d *DesiredMount, payload projector.Payload, rejected []*projector.KeyError, err error) {
+	if err != nil {
+		d.Err = err
+		p.reportTooLarge(pm.spec.Name, d, err)
+	} else {
+		d.Payload = payload
+	}
+	p.reportRejected(pm, rejected)
+}
+
+// buildAsync builds pm's payload from projections on a goroutine of its
+// own, unless one runs already — the next Populate then starts another if
+// the feeds moved on meanwhile (takeBuilt) — and calls p.wake when it
+// ends. snapshots are the feed snapshots the projections come from.
+func (p *Populator) buildAsync(pm *populated, projections []projector.Projection, snapshots []*source.Snapshot, revision string) {
+	if pm.building {
+		return
+	}
+	pm.building = true
+	if pm.built == nil {
+		pm.built = make(chan built, 1)
+	}
+	opts, name, changedAt, out := p.options(pm), pm.spec.Name, time.Now(), pm.built
+	p.builds.Go(func() {
+		payload, rejected, err := projector.MakePayload(name, projections, opts)
+		out <- built{payload: payload, rejected: rejected, err: err, snapshots: snapshots, revision: revision, changedAt: changedAt}
+		if p.wake != nil {
+			p.wake()
+		}
+	})
+}
+
+// takeBuilt installs the result of pm's build off the loop, if one ended:
+// a new generation of its desired mount. It reports whether it did; the
+// feeds' snapshots pm.snapshots records are then those the build used, so
+// that populate starts another build when they moved on meanwhile.
+func (p *Populator) takeBuilt(pm *populated) bool {
+	if !pm.building {
+		return false
+	}
+	var b built
+	select {
+	case b = <-pm.built:
+	default:
+		return false
+	}
+	pm.building = false
+	p.generation++
+	d := &DesiredMount{Spec: pm.spec, Generation: p.generation, ChangedAt: b.changedAt, Revision: b.revision}
+	if pm.desired != nil {
+		d.Stale, d.Waiting = pm.desired.Stale, pm.desired.Waiting
+	}
+	p.setPayload(pm, d, b.payload, b.rejected, b.err)
+	p.reportState(pm, d)
+	pm.desired = d
+	for i := range pm.snapshots {
+		if i < len(b.snapshots) && pm.snapshots[i] != b.snapshots[i] {
+			// Newer snapshots arrived during the build: build again.
+			pm.snapshots[i] = b.snapshots[i]
+			pm.versions[i] = 0
+		}
+	}
+	if pm.spec.Immutable && d.Ready() {
+		p.freeze(pm)
+	}
+	return true
+}
+
 // freeze stops following an immutable mount's sources once its payload is
 // built (the kubelet stops watching immutable ConfigMaps and Secrets).
 func (p *Populator) freeze(pm *populated) {
-	for _, f := range pm.feeds {
-		p.cache.Release(f)
-	}
+	p.releaseFeeds(pm)
 	pm.feeds, pm.snapshots, pm.versions = nil, nil, nil
 	pm.frozen, pm.stale = true, false
 	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}
 	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
+}
+
+// releaseFeeds gives up pm's feeds.
+func (p *Populator) releaseFeeds(pm *populated) {
+	for i, f := range pm.feeds {
+		p.cache.Release(f, limitsOf(pm.spec, pm.spec.Projections[i]))
+	}
 }
 
 // reportTooLarge tells the observer of a payload that max_value_size,

@@ -67,7 +67,7 @@ func (c *fakeCache) feed(src, prefix string) *fakeFeed {
 	return c.feeds[key]
 }
 
-func (c *fakeCache) Acquire(src, prefix string) (Feed, error) {
+func (c *fakeCache) Acquire(src, prefix string, _ source.Limits) (Feed, error) {
 	if src == "unknown" {
 		return nil, errors.New("source: unknown source \"unknown\"")
 	}
@@ -79,7 +79,7 @@ func (c *fakeCache) Acquire(src, prefix string) (Feed, error) {
 	return f, nil
 }
 
-func (c *fakeCache) Release(f Feed) {
+func (c *fakeCache) Release(f Feed, _ source.Limits) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	for key, ff := range c.feeds {

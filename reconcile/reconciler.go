@@ -144,6 +144,7 @@ func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts O
 		opts.Observer = discardObserver{}
 	}
 	pop.observer = opts.Observer
+	pop.WakeOnBuild(trigger.Fire)
 	r := &Reconciler{
 		log: log, pop: pop, owned: owned, trigger: trigger, opts: opts,
 		asw:       NewActualState(),

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"runtime"
 	"strings"
 	"text/template"
 	"text/template/parse"
@@ -58,6 +59,8 @@ type state struct {
 	scratch  *Scratch
 	// stop is the error that stopped the render, if one did.
 	stop error
+	// ticks counts the calls of tick.
+	ticks uint64
 }
 
 // reset readies st for a render over keys within lim.
@@ -98,6 +101,22 @@ func (st *state) expired() error {
 	}
 	return nil
 }
+
+// tick is what every loop round and template body calls: it stops the
+// render once it is past its deadline, and every yieldEvery rounds gives
+// the CPU to other goroutines (runtime.Gosched), so that renders running
+// into their time limit on every CPU never starve the rest of the daemon —
+// the reconciler's loop, the sources' watches, other mounts' writes.
+func (st *state) tick() {
+	st.ticks++
+	if st.ticks%yieldEvery == 0 {
+		runtime.Gosched()
+	}
+	st.check()
+}
+
+// yieldEvery is how many ticks a render runs between two yields.
+const yieldEvery = 256
 
 // check stops the render, from inside a function call, once it is past its
 // deadline or was stopped.
@@ -211,7 +230,7 @@ func (st *state) funcs(t *Template, used map[string]bool) template.FuncMap {
 	for name, fn := range printFuncs {
 		all[name] = fn
 	}
-	out := template.FuncMap{tickName: func() string { st.check(); return "" }}
+	out := template.FuncMap{tickName: func() string { st.tick(); return "" }}
 	for name := range used {
 		fn, ok := all[name]
 		if !ok {
