@@ -12,9 +12,10 @@ import (
 // webhook URL exposes: user information or a query in the URL itself
 // (kvmount redacts them from what it shows, but they sit in the file and
 // in the other end's logs), and credentials — sent reports whether the
-// entry sends any (a token, a password, headers) — going in clear text
-// over http:// to a host that is not the loopback interface. kvmount check
-// prints the warnings; the daemon logs them.
+// entry sends any (a token, a password, headers) — going over http://: in
+// clear text to another host, and unauthenticated even on loopback, where
+// a local user can take the port. kvmount check prints the warnings; the
+// daemon logs them.
 func (s *Section) WarnURLCredentials(key, rawURL string, sent bool) {
 	u, err := url.Parse(rawURL)
 	if err != nil {
@@ -24,7 +25,11 @@ func (s *Section) WarnURLCredentials(key, rawURL string, sent bool) {
 		s.Warnf(key, "%s carries what may be credentials in its URL (user information or a query): kvmount redacts them from its logs and status, but prefer a file only root reads (header_files, token_file, password_file)", origin.Redact(rawURL))
 		sent = true
 	}
-	if sent && strings.EqualFold(u.Scheme, "http") && !isLoopback(u.Hostname()) {
+	switch {
+	case !sent || !strings.EqualFold(u.Scheme, "http"):
+	case isLoopback(u.Hostname()):
+		s.Warnf(key, "credentials go to %s over plain TCP (http://): a local user who takes that port while the other end is down, or before it is up, receives them; use https:// with a CA (tls.ca_file)", u.Host)
+	default:
 		s.Warnf(key, "credentials go to %s in clear text (http://); use https://", u.Host)
 	}
 }

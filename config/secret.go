@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"os"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -117,20 +116,4 @@ func (s *Section) SecretFileMap(key string) map[string]Secret {
 		out[name] = files.SecretFile(name)
 	}
 	return out
-}
-
-// File returns the path at key after checking that the file can be read;
-// "" when key is not set.
-func (s *Section) File(key string) string {
-	name := s.String(key, "")
-	if name == "" {
-		return ""
-	}
-	f, err := os.Open(name)
-	if err != nil {
-		s.Errorf(key, "%v", err)
-		return name
-	}
-	f.Close()
-	return name
 }

@@ -21,10 +21,29 @@ type Feed struct {
 	err      error
 	version  uint64
 
+	// limits are those of each use (Acquire), under mu.
+	limits map[Limits]int
+
 	// Owned by the cache, under cache.mu.
 	refs   int
 	cancel context.CancelFunc
 	done   chan struct{}
+}
+
+// Limits returns the limits of every use of the feed merged
+// (Limits.Merge): what the source may read and keep for the prefix.
+func (f *Feed) Limits() Limits {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	first, merged := true, Limits{}
+	for l := range f.limits {
+		if first {
+			merged, first = l, false
+			continue
+		}
+		merged = merged.Merge(l)
+	}
+	return merged
 }
 
 // FeedState is a Feed's state at one moment.
@@ -46,8 +65,18 @@ func (f *Feed) State() FeedState {
 }
 
 // Publish stores s as the feed's snapshot, clears any failure and wakes the
-// cache's listener.
+// cache's listener. Its revision is kept short and plain (BoundRevision).
+// A value larger than the feed's Limits allow is not kept
+// (its key goes to Snapshot.Oversized), and a snapshot over its key or byte
+// bounds is not kept at all: the feed reports it as an error wrapping
+// ErrOverLimits instead, and the last snapshot stays.
 func (f *Feed) Publish(s Snapshot) {
+	s.Revision = BoundRevision(s.Revision)
+	s, err := f.Limits().apply(s)
+	if err != nil {
+		f.Status(fmt.Errorf("source %q prefix %q: %w", f.source, f.prefix, err))
+		return
+	}
 	f.mu.Lock()
 	f.snapshot = &s
 	f.err = nil
@@ -132,9 +161,10 @@ func (c *Cache) SetSources(sources map[string]Source) {
 	}
 }
 
-// Acquire returns the feed of (source, prefix), starting its follow when it
-// is the first user. Each Acquire needs one Release.
-func (c *Cache) Acquire(source, prefix string) (*Feed, error) {
+// Acquire returns the feed of (source, prefix) for a user whose mounts
+// take at most lim, starting its follow when it is the first user. Each
+// Acquire needs one Release with the same limits.
+func (c *Cache) Acquire(source, prefix string, lim Limits) (*Feed, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -150,15 +180,27 @@ func (c *Cache) Acquire(source, prefix string) (*Feed, error) {
 		c.feeds[key] = f
 	}
 	f.refs++
+	f.mu.Lock()
+	if f.limits == nil {
+		f.limits = map[Limits]int{}
+	}
+	f.limits[lim]++
+	f.mu.Unlock()
 	if f.cancel == nil {
 		c.start(f)
 	}
 	return f, nil
 }
 
-// Release gives up one use of f; the last use stops its follow.
-func (c *Cache) Release(f *Feed) {
+// Release gives up one use of f, acquired with lim; the last use stops its
+// follow.
+func (c *Cache) Release(f *Feed, lim Limits) {
 	c.mu.Lock()
+	f.mu.Lock()
+	if f.limits[lim]--; f.limits[lim] <= 0 {
+		delete(f.limits, lim)
+	}
+	f.mu.Unlock()
 	f.refs--
 	if f.refs > 0 {
 		c.mu.Unlock()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -75,15 +76,15 @@ func TestCacheSharesOneFollowPerPrefix(t *testing.T) {
 	src := newFake("one")
 	c := NewCache(discard, func() {})
 	c.SetSources(map[string]Source{"main": src})
-	a, err := c.Acquire("main", "/p/")
+	a, err := c.Acquire("main", "/p/", Limits{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	b, err := c.Acquire("main", "/p/")
+	b, err := c.Acquire("main", "/p/", Limits{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	other, err := c.Acquire("main", "/q/")
+	other, err := c.Acquire("main", "/q/", Limits{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,11 +96,11 @@ func TestCacheSharesOneFollowPerPrefix(t *testing.T) {
 	if running, started, _ := src.state(); running["/p/"] != 1 || running["/q/"] != 1 || started != 2 {
 		t.Errorf("running %v, started %d; want one follow per prefix", running, started)
 	}
-	c.Release(a)
+	c.Release(a, Limits{})
 	if running, _, _ := src.state(); running["/p/"] != 1 {
 		t.Errorf("released one of two users and the follow stopped")
 	}
-	c.Release(b)
+	c.Release(b, Limits{})
 	if running, _, _ := src.state(); running["/p/"] != 0 {
 		t.Errorf("released every user and the follow runs on: %v", running)
 	}
@@ -107,7 +108,7 @@ func TestCacheSharesOneFollowPerPrefix(t *testing.T) {
 	if running, _, closed := src.state(); len(running) != 0 || !closed {
 		t.Errorf("after Close: running %v, closed %v", running, closed)
 	}
-	if _, err := c.Acquire("main", "/p/"); err == nil {
+	if _, err := c.Acquire("main", "/p/", Limits{}); err == nil {
 		t.Errorf("Acquire after Close succeeded")
 	}
 }
@@ -117,7 +118,7 @@ func TestCacheRestartsFeedsOfAChangedSource(t *testing.T) {
 	c := NewCache(discard, func() {})
 	defer c.Close()
 	c.SetSources(map[string]Source{"main": one})
-	f, err := c.Acquire("main", "/p/")
+	f, err := c.Acquire("main", "/p/", Limits{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -131,7 +132,7 @@ func TestCacheRestartsFeedsOfAChangedSource(t *testing.T) {
 	if st := f.State(); st.Err == nil || st.Snapshot == nil || st.Snapshot.Revision != "two" {
 		t.Errorf("feed of a removed source = %+v; want its last snapshot and an error", st)
 	}
-	if _, err := c.Acquire("main", "/x/"); err == nil {
+	if _, err := c.Acquire("main", "/x/", Limits{}); err == nil {
 		t.Errorf("Acquire of a removed source succeeded")
 	}
 }
@@ -153,5 +154,69 @@ func TestFeedStatus(t *testing.T) {
 	f.Publish(Snapshot{Revision: "1"})
 	if st := f.State(); n != 2 || st.Err != nil || st.Snapshot == nil {
 		t.Errorf("publish: %d wakes, state %+v; want the snapshot and no error", n, st)
+	}
+}
+
+// TestFeedKeepsWithinItsLimits: a feed keeps no value larger than the
+// largest max_value_size of its uses (the key goes to Oversized, by size),
+// and no snapshot over their keys or bytes — it reports ErrOverLimits and
+// keeps the last one. Its limits are its uses' merged: the larger bound of
+// each, none where a use has none; they change as uses come and go.
+func TestFeedKeepsWithinItsLimits(t *testing.T) {
+	c := NewCache(discard, func() {})
+	c.SetSources(map[string]Source{"main": newFake("main")})
+	defer c.Close()
+	small := Limits{MaxKeys: 2, MaxValueSize: 3, MaxBytes: 4}
+	f, err := c.Acquire("main", "/p/", small)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := f.Limits(); got != small {
+		t.Errorf("limits of one use = %+v; want %+v", got, small)
+	}
+	f.Publish(Snapshot{Revision: "1", Entries: map[string][]byte{"a": []byte("1"), "big": []byte("12345")}})
+	st := f.State()
+	if st.Snapshot == nil || len(st.Snapshot.Entries) != 1 || st.Snapshot.Oversized["big"] != 5 {
+		t.Fatalf("state %+v; want a kept and big oversized (5 bytes)", st)
+	}
+	f.Publish(Snapshot{Revision: "2", Entries: map[string][]byte{"a": []byte("1"), "b": []byte("2"), "c": []byte("3")}})
+	if st := f.State(); !errors.Is(st.Err, ErrOverLimits) || st.Snapshot.Revision != "1" {
+		t.Errorf("three keys under MaxKeys 2: state %+v; want ErrOverLimits and revision 1 kept", st)
+	}
+	larger := Limits{MaxKeys: 10, MaxValueSize: 2, MaxBytes: 0}
+	if _, err := c.Acquire("main", "/p/", larger); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := f.Limits(), (Limits{MaxKeys: 10, MaxValueSize: 3}); got != want {
+		t.Errorf("merged limits = %+v; want %+v", got, want)
+	}
+	c.Release(f, larger)
+	if got := f.Limits(); got != small {
+		t.Errorf("limits after a release = %+v; want %+v", got, small)
+	}
+	c.Release(f, small)
+}
+
+// TestBoundRevision: a revision a server chose is kept as it is when short
+// and plain, else as a hash — distinct for distinct revisions.
+func TestBoundRevision(t *testing.T) {
+	for _, tt := range []struct{ in, want string }{
+		{"1042", "1042"},
+		{`W/"abc-123"`, `W/"abc-123"`},
+		{strings.Repeat("e", 128), strings.Repeat("e", 128)},
+	} {
+		if got := BoundRevision(tt.in); got != tt.want {
+			t.Errorf("BoundRevision(%q) = %q; want %q", tt.in, got, tt.want)
+		}
+	}
+	long := strings.Repeat("e", 300_000)
+	for _, in := range []string{long, long + "x", "with space", "ctl\x1b[2J", "é"} {
+		got := BoundRevision(in)
+		if !strings.HasPrefix(got, "sha256:") || len(got) != 7+32 {
+			t.Errorf("BoundRevision(%.20q) = %q; want a hash", in, got)
+		}
+	}
+	if BoundRevision(long) == BoundRevision(long+"x") {
+		t.Error("two long revisions bound to one")
 	}
 }

@@ -28,6 +28,10 @@ type Snapshot struct {
 	Missing bool
 	// Entries maps keys relative to the prefix to their values.
 	Entries map[string][]byte
+	// Oversized maps the keys whose values were larger than the feed's
+	// Limits.MaxValueSize to their sizes, in bytes: they exist, but their
+	// bytes were not kept.
+	Oversized map[string]int64
 }
 
 // Publisher receives what a follow finds. The Cache's feeds implement it.
@@ -39,6 +43,9 @@ type Publisher interface {
 	// means it cannot currently be read and the last snapshot is stale; nil
 	// means it is reachable again and the last snapshot is current.
 	Status(err error)
+	// Limits returns what the source may read and keep for the prefix
+	// (see Limits); it changes as mounts start and stop following it.
+	Limits() Limits
 }
 
 // Source is one configured backend.

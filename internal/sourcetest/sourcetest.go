@@ -27,6 +27,10 @@ var Discard = slog.New(slog.NewTextHandler(io.Discard, nil))
 // Recorder is a source.Publisher that keeps every snapshot and the last
 // status. It is safe for concurrent use.
 type Recorder struct {
+	// Limit is what Limits returns: none unless a test sets it before
+	// the follow starts.
+	Limit source.Limits
+
 	mu       sync.Mutex
 	snaps    []source.Snapshot
 	err      error
@@ -46,6 +50,9 @@ func (r *Recorder) Publish(s source.Snapshot) {
 	r.mu.Unlock()
 	r.wake()
 }
+
+// Limits returns r.Limit.
+func (r *Recorder) Limits() source.Limits { return r.Limit }
 
 // Status records err.
 func (r *Recorder) Status(err error) {
@@ -157,7 +164,14 @@ func Render(s *source.Snapshot) string {
 // to.
 func Follow(tb testing.TB, src source.Source, prefix string) *Recorder {
 	tb.Helper()
+	return FollowLimited(tb, src, prefix, source.Limits{})
+}
+
+// FollowLimited is Follow with a Recorder whose Limits are lim.
+func FollowLimited(tb testing.TB, src source.Source, prefix string, lim source.Limits) *Recorder {
+	tb.Helper()
 	rec := NewRecorder()
+	rec.Limit = lim
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- src.Follow(ctx, prefix, rec) }()

@@ -13,16 +13,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/url"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/hashicorp/consul/api"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/peercred"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -75,6 +78,20 @@ type Config struct {
 	ChangeDetection string
 	// PollInterval is the period of Poll.
 	PollInterval time.Duration
+	// PeerUID, when ≥ 0, is the user the agent must run as (peer_user):
+	// every connection to it is checked (peercred), so that a local user
+	// who takes its port while it is down feeds nothing and receives no
+	// token. -1 checks nothing.
+	PeerUID int
+}
+
+// PlainTCP returns the address when it is reached over plain TCP without a
+// peer_user check (config.PlainTCP).
+func (c *Config) PlainTCP() []string {
+	if c.PeerUID >= 0 || !strings.HasPrefix(c.Address, "http://") {
+		return nil
+	}
+	return []string{c.Address}
 }
 
 // Kind returns the Consul source kind for the registry.
@@ -94,6 +111,7 @@ func Decode(sec *config.Section) any {
 		TLS:             sec.TLS("tls"),
 		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
 		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
+		PeerUID:         sec.UserID("peer_user"),
 	}
 	u, err := url.Parse(c.Address)
 	switch {
@@ -144,14 +162,30 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
+	// The files' content, read by config as credential files are; never
+	// their paths, which the API client would read following symlinks.
 	tlsConfig := api.TLSConfig{
-		Address:  cfg.TLS.ServerName,
-		CAFile:   cfg.TLS.CAFile,
-		CertFile: cfg.TLS.CertFile,
-		KeyFile:  cfg.TLS.KeyFile,
+		Address: cfg.TLS.ServerName,
+		CAPem:   cfg.TLS.CA,
+		CertPEM: cfg.TLS.Cert,
+		KeyPEM:  []byte(cfg.TLS.Key.Reveal()),
 	}
 	transport := api.DefaultConfig().Transport
 	transport.DisableCompression = loopback(u.Hostname())
+	if cfg.PeerUID >= 0 {
+		dial := transport.DialContext
+		transport.DialContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			if err := peercred.Check(c, cfg.PeerUID); err != nil {
+				c.Close()
+				return nil, fmt.Errorf("source/consul: %s: %w", addr, err)
+			}
+			return c, nil
+		}
+	}
 	// kvmount's own TLS settings, not the CONSUL_* environment's.
 	httpClient, err := api.NewHttpClient(transport, tlsConfig)
 	if err != nil {
@@ -206,8 +240,43 @@ type configOnly struct {
 	token string
 }
 
+// bodyLimitKey is the context key of a request's response size bound.
+type bodyLimitKey struct{}
+
+// withBodyLimit returns ctx with limit, in bytes, the most a response to a
+// request made with it may carry (0: no bound).
+func withBodyLimit(ctx context.Context, limit int64) context.Context {
+	if limit <= 0 {
+		return ctx
+	}
+	return context.WithValue(ctx, bodyLimitKey{}, limit)
+}
+
+// limitedBody is a response body that fails, with an error wrapping
+// source.ErrOverLimits, once it has given more than limit bytes.
+type limitedBody struct {
+	io.ReadCloser
+	left int64
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if b.left < 0 {
+		return 0, fmt.Errorf("source/consul: the response %w", source.ErrOverLimits)
+	}
+	if int64(len(p)) > b.left+1 {
+		p = p[:b.left+1]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	if b.left < 0 {
+		return n, fmt.Errorf("source/consul: the response %w", source.ErrOverLimits)
+	}
+	return n, err
+}
+
 // RoundTrip sends a copy of req with only the configured token, namespace
-// and partition.
+// and partition; a response to a request whose context carries a bound
+// (withBodyLimit) fails once its body passes it.
 func (c configOnly) RoundTrip(req *http.Request) (*http.Response, error) {
 	req = req.Clone(req.Context())
 	q := req.URL.Query()
@@ -221,7 +290,15 @@ func (c configOnly) RoundTrip(req *http.Request) (*http.Response, error) {
 	if c.token != "" {
 		req.Header.Set("X-Consul-Token", c.token)
 	}
-	return c.next.RoundTrip(req)
+	resp, err := c.next.RoundTrip(req)
+	if limit, ok := req.Context().Value(bodyLimitKey{}).(int64); ok && err == nil {
+		if resp.ContentLength > limit {
+			resp.Body.Close()
+			return nil, fmt.Errorf("source/consul: a response of %d bytes %w", resp.ContentLength, source.ErrOverLimits)
+		}
+		resp.Body = &limitedBody{ReadCloser: resp.Body, left: limit}
+	}
+	return resp, err
 }
 
 // Close releases idle connections.

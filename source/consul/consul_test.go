@@ -2,6 +2,7 @@ package consul
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/source"
 )
 
 func follow(t *testing.T, cfg *Config, prefix string) *sourcetest.Recorder {
@@ -512,4 +514,39 @@ func TestPartition(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestResponseBoundedByLimits is the second review's ninth finding for
+// Consul: a follower whose mount takes at most 5 keys and 1 MiB bounds the
+// response its group's query reads (1 MiB base64-encoded, room for 5 keys'
+// JSON and 64 KiB): 60 values of 300 KB (24 MB of JSON) fail the read with
+// source.ErrOverLimits — never held — and a prefix within the bounds reads
+// as before.
+func TestResponseBoundedByLimits(t *testing.T) {
+	agent := consultest.Start(t)
+	client := agent.Client()
+	big := strings.Repeat("x", 300_000) // a transaction carries at most 512 KiB, base64-encoded
+	for i := range 60 {
+		consultest.Txn(t, client, fmt.Sprintf("many/k%02d", i), big)
+	}
+	src, err := New("main", watchConfig(agent.Addr()), sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	lim := source.Limits{MaxKeys: 5, MaxValueSize: 1 << 20, MaxBytes: 1 << 20}
+	many := sourcetest.FollowLimited(t, src, "many/", lim)
+	many.WaitFor(t, "the refusal", func(_ []source.Snapshot, err error) bool { return errors.Is(err, source.ErrOverLimits) })
+	if snaps, _ := many.State(); len(snaps) != 0 {
+		t.Errorf("%d snapshots of a prefix over the limits; want none", len(snaps))
+	}
+
+	consultest.Txn(t, client, "few/a", "1", "few/b", "2")
+	src2, err := New("main", watchConfig(agent.Addr()), sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src2.Close() })
+	few := sourcetest.FollowLimited(t, src2, "few/", lim)
+	few.WaitFor(t, "a prefix within the limits", sourcetest.Holds(map[string]string{"a": "1", "b": "2"}))
 }

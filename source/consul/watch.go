@@ -326,7 +326,7 @@ func (s *Source) query(ctx context.Context, parent string) {
 		if s.cfg.ChangeDetection == Poll {
 			index = 0
 		}
-		pairs, meta, err := s.list(ctx, parent, index)
+		pairs, meta, err := s.list(withBodyLimit(ctx, s.groupLimit(parent)), parent, index)
 		switch {
 		case ctx.Err() != nil:
 			return
@@ -359,6 +359,33 @@ func (s *Source) query(ctx context.Context, parent string) {
 		}
 	}
 }
+
+// groupLimit returns the most bytes of a response to the query of group g
+// (whose followers' prefixes start with it), from what the mounts following
+// those prefixes take at most (source.Limits): per follower its bytes of
+// values, base64-encoded, and for each key room for its JSON (key, flags,
+// indexes); 0, no bound, when a follower bounds neither keys nor bytes —
+// its mount takes whatever the prefix holds. Keys of g no follower reads
+// count against it too: a store writer who fills them makes the query
+// fail, and its followers stale, not kvmount's memory grow.
+func (s *Source) groupLimit(g string) int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	lo, hi := s.followersIn(g)
+	var total int64
+	for _, st := range s.followers[lo:hi] {
+		lim := st.pub.Limits()
+		if lim.MaxKeys == 0 || lim.MaxBytes == 0 {
+			return 0
+		}
+		total += lim.MaxBytes*4/3 + int64(lim.MaxKeys)*perKeyJSON
+	}
+	return total + 64<<10
+}
+
+// perKeyJSON is what a key costs in a listing's JSON beside its value, in
+// bytes: its name (at most 512 in Consul) and its fields.
+const perKeyJSON = 1024
 
 // rangeOf returns the pairs whose keys start with prefix; pairs is sorted.
 func rangeOf(pairs api.KVPairs, prefix string) api.KVPairs {

@@ -16,6 +16,7 @@ type discardPublisher struct{}
 
 func (discardPublisher) Publish(source.Snapshot) {}
 func (discardPublisher) Status(error)            {}
+func (discardPublisher) Limits() source.Limits   { return source.Limits{} }
 
 // BenchmarkSplit measures how a group's response is handed to its
 // followers after a change: 1,000 prefixes of one key each in one group,

@@ -14,16 +14,17 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"net"
 	"net/url"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
-	"go.etcd.io/etcd/client/pkg/v3/transport"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
@@ -31,6 +32,7 @@ import (
 	"google.golang.org/grpc/connectivity"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/peercred"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -47,6 +49,16 @@ const (
 	pageSize = 1000
 	// requestTimeout bounds one range request.
 	requestTimeout = 10 * time.Second
+	// maxRecvMsgSize bounds one gRPC message from etcd, in bytes: a page of
+	// a read, a watch response. (The client's default is 2 GiB.) A page
+	// holds as many keys as pageBudget allows at the feed's
+	// max_value_size; a watch response larger than this — a transaction of
+	// many large values — ends the watch, and the prefix is read anew in
+	// pages.
+	maxRecvMsgSize = 64 << 20
+	// pageBudget is what one page of a read may hold at most, in bytes,
+	// when the feed bounds its values (source.Limits.MaxValueSize).
+	pageBudget = 16 << 20
 	// keepAliveTime is above the server's 5 s minimum
 	// (--grpc-keepalive-min-time), or the server drops the connection.
 	keepAliveTime    = 10 * time.Second
@@ -75,6 +87,26 @@ type Config struct {
 	ChangeDetection string
 	// PollInterval is the period of Poll.
 	PollInterval time.Duration
+	// PeerUID, when ≥ 0, is the user etcd must run as (peer_user): every
+	// connection, over a unix socket or TCP on loopback, is checked
+	// (peercred), so that a local user who takes etcd's port while it is
+	// down feeds nothing. -1 checks nothing.
+	PeerUID int
+}
+
+// PlainTCP returns the endpoints reached over plain TCP without a
+// peer_user check (config.PlainTCP).
+func (c *Config) PlainTCP() []string {
+	if c.PeerUID >= 0 {
+		return nil
+	}
+	var out []string
+	for _, ep := range c.Endpoints {
+		if strings.HasPrefix(ep, "http://") {
+			out = append(out, ep)
+		}
+	}
+	return out
 }
 
 // Kind returns the etcd source kind for the registry.
@@ -93,6 +125,7 @@ func Decode(sec *config.Section) any {
 		TLS:             sec.TLS("tls"),
 		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
 		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
+		PeerUID:         sec.UserID("peer_user"),
 	}
 	if !sec.Has("endpoints") {
 		c.Endpoints = []string{DefaultEndpoint}
@@ -136,6 +169,10 @@ type Source struct {
 	mu      sync.Mutex
 	client  *clientv3.Client
 	monitor *monitor // of client's connection
+
+	// refused is the error of the last connection the peer_user check
+	// refused, nil once one passes: an unreachable etcd is reported with it.
+	refused atomic.Pointer[error]
 }
 
 var _ source.Source = (*Source)(nil)
@@ -182,6 +219,7 @@ func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 		Username:             s.cfg.Username,
 		Password:             s.cfg.Password.Reveal(),
 		Logger:               zap.NewNop(),
+		MaxCallRecvMsgSize:   maxRecvMsgSize,
 		// Reconnect after an outage on kvmount's retry schedule rather
 		// than gRPC's default, which backs off to two minutes.
 		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
@@ -194,16 +232,13 @@ func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 			MinConnectTimeout: s.cfg.DialTimeout,
 		})},
 	}
+	if s.cfg.PeerUID >= 0 {
+		cc.DialOptions = append(cc.DialOptions, grpc.WithContextDialer(peerDialer(s.cfg.PeerUID, &s.refused)))
+	}
 	if s.cfg.TLS.Enabled() {
-		info := transport.TLSInfo{
-			CertFile:      s.cfg.TLS.CertFile,
-			KeyFile:       s.cfg.TLS.KeyFile,
-			TrustedCAFile: s.cfg.TLS.CAFile,
-			ServerName:    s.cfg.TLS.ServerName,
-		}
-		tc, err := info.ClientConfig()
+		tc, err := s.cfg.TLS.Config()
 		if err != nil {
-			return nil, nil, fmt.Errorf("source/etcd: tls: %w", err)
+			return nil, nil, fmt.Errorf("source/etcd: %w", err)
 		}
 		cc.TLS = tc
 	} else if usesTLS(s.cfg.Endpoints) {
@@ -215,6 +250,32 @@ func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 	}
 	s.client, s.monitor = cli, startMonitor(cli, s.cfg.Endpoints, s.log)
 	return cli, s.monitor, nil
+}
+
+// peerDialer returns a dialer of etcd endpoints — "unix:" or "unix://"
+// paths, host:port on TCP — that hands on only connections whose other
+// end runs as uid (peercred.Check), and keeps the last refusal in refused
+// (nil after a connection passes).
+func peerDialer(uid int, refused *atomic.Pointer[error]) func(ctx context.Context, addr string) (net.Conn, error) {
+	return func(ctx context.Context, addr string) (net.Conn, error) {
+		network, address := "tcp", addr
+		if rest, ok := strings.CutPrefix(addr, "unix:"); ok {
+			network, address = "unix", strings.TrimPrefix(rest, "//")
+		}
+		var d net.Dialer
+		c, err := d.DialContext(ctx, network, address)
+		if err != nil {
+			return nil, err
+		}
+		if err := peercred.Check(c, uid); err != nil {
+			c.Close()
+			err = fmt.Errorf("%s: %w", addr, err)
+			refused.Store(&err)
+			return nil, err
+		}
+		refused.Store(nil)
+		return c, nil
+	}
 }
 
 func usesTLS(endpoints []string) bool {
@@ -264,8 +325,10 @@ type follower struct {
 	prefix string
 	pub    source.Publisher
 	log    *slog.Logger
-	// last is the last snapshot published, nil before the first.
-	last map[string][]byte
+	// last is the last snapshot published, nil before the first, and
+	// lastOversized its keys whose values were not kept.
+	last          map[string][]byte
+	lastOversized map[string]int64
 	// seen is the highest revision and cluster is the cluster ID seen in
 	// a response header since the last read; 0 before the first.
 	seen    int64
@@ -325,14 +388,15 @@ func (f *follower) cycle(ctx context.Context) error {
 	if err := f.ready(ctx, cli); err != nil {
 		return err
 	}
-	entries, rev, err := f.list(ctx, cli)
+	lim := f.pub.Limits()
+	entries, oversized, rev, err := f.list(ctx, cli, lim)
 	if errors.Is(err, rpctypes.ErrCompacted) {
 		return fmt.Errorf("%w: revision compacted during read", errResync)
 	}
 	if err != nil {
 		return err
 	}
-	f.publish(entries, rev)
+	f.publish(entries, oversized, rev)
 	if testHookAfterList != nil {
 		testHookAfterList()
 	}
@@ -340,18 +404,19 @@ func (f *follower) cycle(ctx context.Context) error {
 		source.Sleep(ctx, source.Jitter(f.src.cfg.PollInterval))
 		return nil
 	}
-	return f.watch(ctx, cli, mon, entries, rev)
+	return f.watch(ctx, cli, mon, lim, entries, oversized, rev)
 }
 
-// publish delivers entries unless they equal the last snapshot, in which
-// case it only reports the source healthy.
-func (f *follower) publish(entries map[string][]byte, rev int64) {
-	if f.last != nil && maps.EqualFunc(entries, f.last, bytes.Equal) {
+// publish delivers entries and oversized (the keys whose values were not
+// kept) unless they equal the last snapshot, in which case it only reports
+// the source healthy.
+func (f *follower) publish(entries map[string][]byte, oversized map[string]int64, rev int64) {
+	if f.last != nil && maps.EqualFunc(entries, f.last, bytes.Equal) && maps.Equal(oversized, f.lastOversized) {
 		f.pub.Status(nil)
 		return
 	}
-	f.last = entries
-	f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: len(entries) == 0, Entries: entries})
+	f.last, f.lastOversized = entries, oversized
+	f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: len(entries)+len(oversized) == 0, Entries: entries, Oversized: oversized})
 }
 
 // ready waits up to the dial timeout for the client's connection, so that
@@ -369,6 +434,9 @@ func (f *follower) ready(ctx context.Context, cli *clientv3.Client) error {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
+			if refused := f.src.refused.Load(); refused != nil {
+				return fmt.Errorf("source/etcd: %s unreachable: %w", strings.Join(f.src.cfg.Endpoints, ","), *refused)
+			}
 			return fmt.Errorf("source/etcd: %s unreachable: no connection within %v", strings.Join(f.src.cfg.Endpoints, ","), f.src.cfg.DialTimeout)
 		}
 	}
@@ -383,14 +451,40 @@ func span(prefix string) (key, end string) {
 	return prefix, clientv3.GetPrefixRangeEnd(prefix)
 }
 
-// list reads every key under the prefix at one revision, pageSize keys per
-// request, and returns them relative to the prefix with that revision.
-func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][]byte, int64, error) {
+// list reads every key under the prefix at one revision, in pages, and
+// returns them relative to the prefix with that revision, bounded by lim
+// (what the mounts following the prefix take at most): a value over
+// lim.MaxValueSize is not kept but its key and size go to oversized; a
+// prefix of more keys than lim.MaxKeys is refused after a request for its
+// count alone (which pins the revision the pages read), before any value
+// is read; one of more bytes of values than lim.MaxBytes as soon as a page
+// passes them; both with an error wrapping source.ErrOverLimits. A page holds pageSize keys, fewer when lim bounds
+// the values: as many as pageBudget bytes hold at lim.MaxValueSize.
+func (f *follower) list(ctx context.Context, cli *clientv3.Client, lim source.Limits) (entries map[string][]byte, oversized map[string]int64, rev int64, err error) {
 	key, end := span(f.prefix)
-	var entries map[string][]byte
-	var rev int64
+	page := int64(pageSize)
+	if lim.MaxValueSize > 0 {
+		page = max(1, min(page, pageBudget/(lim.MaxValueSize+1024)))
+	}
+	var kept int64
+	if lim.MaxKeys > 0 {
+		// The count alone first, pinning the revision: a prefix over the
+		// limit is refused before any value is read.
+		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+		resp, err := cli.Get(rctx, key, clientv3.WithRange(end), clientv3.WithCountOnly())
+		cancel()
+		if err != nil {
+			return nil, nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
+		}
+		rev = resp.Header.Revision
+		f.seen, f.cluster = rev, resp.Header.ClusterId
+		if err := lim.Check(int(resp.Count), 0); err != nil {
+			return nil, nil, 0, fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
+		}
+		entries = make(map[string][]byte, min(resp.Count, 4*pageSize))
+	}
 	for {
-		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(pageSize)}
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(page)}
 		if rev > 0 {
 			opts = append(opts, clientv3.WithRev(rev))
 		}
@@ -398,7 +492,7 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 		resp, err := cli.Get(rctx, key, opts...)
 		cancel()
 		if err != nil {
-			return nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
+			return nil, nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
 		}
 		if rev == 0 {
 			rev = resp.Header.Revision
@@ -408,9 +502,12 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 			// few pages hold) rather than grown key by key.
 			entries = make(map[string][]byte, min(resp.Count, 4*pageSize))
 		}
-		addPacked(entries, f.prefix, resp.Kvs)
+		kept += addPacked(entries, &oversized, f.prefix, resp.Kvs, lim)
+		if err := lim.Check(len(entries)+len(oversized), kept); err != nil {
+			return nil, nil, 0, fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
+		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return entries, rev, nil
+			return entries, oversized, rev, nil
 		}
 		if testHookAfterPage != nil {
 			testHookAfterPage()
@@ -427,7 +524,11 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client) (map[string][
 // they leave behind stay resident, half empty — 1,000 prefixes of 100 keys
 // held that way left the heap in use about 18 MB above the live heap.
 // A snapshot's buffers live until the last of its entries is replaced.
-func addPacked(entries map[string][]byte, prefix string, kvs []*mvccpb.KeyValue) {
+//
+// A value lim does not keep is left out: its key and size go to
+// *oversized (made when first needed). It returns the bytes of values
+// kept.
+func addPacked(entries map[string][]byte, oversized *map[string]int64, prefix string, kvs []*mvccpb.KeyValue, lim source.Limits) int64 {
 	p := []byte(prefix)
 	rel := func(kv *mvccpb.KeyValue) []byte {
 		return bytes.TrimPrefix(kv.Key, p)
@@ -435,28 +536,45 @@ func addPacked(entries map[string][]byte, prefix string, kvs []*mvccpb.KeyValue)
 	keyBytes, valueBytes := 0, 0
 	for _, kv := range kvs {
 		keyBytes += len(rel(kv))
-		valueBytes += len(kv.Value)
+		if lim.Keeps(len(kv.Value)) {
+			valueBytes += len(kv.Value)
+		}
 	}
 	var keys strings.Builder
 	keys.Grow(keyBytes)
 	values := make([]byte, 0, valueBytes)
 	for _, kv := range kvs {
 		keys.Write(rel(kv))
-		values = append(values, kv.Value...)
+		if lim.Keeps(len(kv.Value)) {
+			values = append(values, kv.Value...)
+		}
 	}
 	all := keys.String()
 	k, v := 0, 0
 	for _, kv := range kvs {
 		kn, vn := len(rel(kv)), len(kv.Value)
+		if !lim.Keeps(vn) {
+			if *oversized == nil {
+				*oversized = map[string]int64{}
+			}
+			(*oversized)[all[k:k+kn]] = int64(vn)
+			k += kn
+			continue
+		}
 		entries[all[k:k+kn]] = values[v : v+vn : v+vn]
 		k, v = k+kn, v+vn
 	}
+	return int64(valueBytes)
 }
 
 // watch follows the prefix from rev, the revision read, publishing once per
 // watch response,
 // until the watch ends. It always returns an error saying why.
-func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor, entries map[string][]byte, rev int64) error {
+//
+// Events are folded under lim as list reads (apply): a prefix that grows
+// past lim's keys or bytes ends the watch with an error wrapping
+// source.ErrOverLimits, and is read again after a backoff.
+func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor, lim source.Limits, entries map[string][]byte, oversized map[string]int64, rev int64) error {
 	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 	defer cancel()
 	// The monitor hands the header of each reconnect probe to this loop,
@@ -512,10 +630,13 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 			f.pub.Status(nil)
 			continue
 		}
-		if next, changed := apply(entries, f.prefix, resp.Events); changed {
-			entries = next
-			f.last = entries
-			f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(resp.Header.Revision, 10), Missing: len(entries) == 0, Entries: entries})
+		if next, nextOversized, changed := apply(entries, oversized, f.prefix, resp.Events, lim); changed {
+			if err := lim.Check(len(next)+len(nextOversized), valueBytes(next)); err != nil {
+				return fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
+			}
+			entries, oversized = next, nextOversized
+			f.last, f.lastOversized = entries, oversized
+			f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(resp.Header.Revision, 10), Missing: len(entries)+len(oversized) == 0, Entries: entries, Oversized: oversized})
 		}
 	}
 	if ctx.Err() != nil {
@@ -524,33 +645,52 @@ func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor
 	return fmt.Errorf("%w: watch channel closed", errResync)
 }
 
-// apply folds events into a copy of entries and reports whether anything
-// changed. entries itself is never modified: it was published.
-func apply(entries map[string][]byte, prefix string, events []*clientv3.Event) (map[string][]byte, bool) {
-	next := entries
+// apply folds events into copies of entries and oversized (the keys whose
+// values lim does not keep) and reports whether anything changed. entries
+// and oversized themselves are never modified: they were published.
+func apply(entries map[string][]byte, oversized map[string]int64, prefix string, events []*clientv3.Event, lim source.Limits) (map[string][]byte, map[string]int64, bool) {
+	next, nextOversized := entries, oversized
 	copied := false
 	for _, ev := range events {
 		rel := strings.TrimPrefix(string(ev.Kv.Key), prefix)
 		old, had := next[rel]
+		oldSize, hadOversized := nextOversized[rel]
+		keep := lim.Keeps(len(ev.Kv.Value))
 		switch ev.Type {
 		case clientv3.EventTypePut:
-			if had && bytes.Equal(old, ev.Kv.Value) {
+			if keep && had && bytes.Equal(old, ev.Kv.Value) || !keep && hadOversized && oldSize == int64(len(ev.Kv.Value)) {
 				continue
 			}
 		case clientv3.EventTypeDelete:
-			if !had {
+			if !had && !hadOversized {
 				continue
 			}
 		}
 		if !copied {
-			next = maps.Clone(entries)
+			next, nextOversized = maps.Clone(entries), maps.Clone(oversized)
 			copied = true
 		}
-		if ev.Type == clientv3.EventTypePut {
+		delete(next, rel)
+		delete(nextOversized, rel)
+		switch {
+		case ev.Type != clientv3.EventTypePut:
+		case keep:
 			next[rel] = ev.Kv.Value
-		} else {
-			delete(next, rel)
+		default:
+			if nextOversized == nil {
+				nextOversized = map[string]int64{}
+			}
+			nextOversized[rel] = int64(len(ev.Kv.Value))
 		}
 	}
-	return next, copied
+	return next, nextOversized, copied
+}
+
+// valueBytes returns the bytes of entries' values.
+func valueBytes(entries map[string][]byte) int64 {
+	var n int64
+	for _, v := range entries {
+		n += int64(len(v))
+	}
+	return n
 }

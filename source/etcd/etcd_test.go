@@ -2,7 +2,9 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -12,7 +14,9 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/peercred"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -236,10 +240,10 @@ func TestDecode(t *testing.T) {
 		wantErr string
 	}{
 		{name: "defaults", toml: `type = "etcd"`, want: &Config{
-			Endpoints: []string{DefaultEndpoint}, DialTimeout: DefaultDialTimeout, ChangeDetection: Watch, PollInterval: DefaultPollInterval,
+			Endpoints: []string{DefaultEndpoint}, DialTimeout: DefaultDialTimeout, ChangeDetection: Watch, PollInterval: DefaultPollInterval, PeerUID: -1,
 		}},
-		{name: "poll", toml: "type = \"etcd\"\nendpoints = [\"https://10.0.0.1:2379\", \"unix:///run/etcd.sock\"]\nchange_detection = \"poll\"\npoll_interval = \"5s\"\ndial_timeout = \"2s\"", want: &Config{
-			Endpoints: []string{"https://10.0.0.1:2379", "unix:///run/etcd.sock"}, DialTimeout: 2 * time.Second, ChangeDetection: Poll, PollInterval: 5 * time.Second,
+		{name: "poll", toml: "type = \"etcd\"\nendpoints = [\"https://10.0.0.1:2379\", \"unix:///run/etcd.sock\"]\nchange_detection = \"poll\"\npoll_interval = \"5s\"\ndial_timeout = \"2s\"\npeer_user = \"0\"", want: &Config{
+			Endpoints: []string{"https://10.0.0.1:2379", "unix:///run/etcd.sock"}, DialTimeout: 2 * time.Second, ChangeDetection: Poll, PollInterval: 5 * time.Second, PeerUID: 0,
 		}},
 		{name: "bad endpoint", toml: "type = \"etcd\"\nendpoints = [\"127.0.0.1:2379\"]", wantErr: `s.toml:3: sources.main.endpoints: "127.0.0.1:2379": want a URL with scheme`},
 		{name: "no endpoints", toml: "type = \"etcd\"\nendpoints = []", wantErr: `endpoints: needs at least one endpoint`},
@@ -274,11 +278,16 @@ func TestDecode(t *testing.T) {
 // neighbour in the shared buffer.
 func TestAddPacked(t *testing.T) {
 	entries := map[string][]byte{"old": []byte("kept")}
-	addPacked(entries, "/app/", []*mvccpb.KeyValue{
+	var oversized map[string]int64
+	kept := addPacked(entries, &oversized, "/app/", []*mvccpb.KeyValue{
 		{Key: []byte("/app/a"), Value: []byte("1")},
 		{Key: []byte("/app/b/c"), Value: []byte("")},
+		{Key: []byte("/app/big"), Value: []byte("12345")},
 		{Key: []byte("/app/d"), Value: []byte("333")},
-	})
+	}, source.Limits{MaxValueSize: 4})
+	if kept != 4 || len(oversized) != 1 || oversized["big"] != 5 {
+		t.Errorf("kept %d bytes, oversized %v; want 4 bytes and big (5 bytes) left out", kept, oversized)
+	}
 	want := map[string]string{"old": "kept", "a": "1", "b/c": "", "d": "333"}
 	if len(entries) != len(want) {
 		t.Fatalf("entries %q; want %q", entries, want)
@@ -292,5 +301,94 @@ func TestAddPacked(t *testing.T) {
 	_ = append(entries["b/c"], 'Y')
 	if string(entries["d"]) != "333" || string(entries["a"]) != "1" {
 		t.Errorf("an append to one value changed another: a=%q d=%q", entries["a"], entries["d"])
+	}
+}
+
+// TestLimitsBoundWhatIsRead is the second review's ninth finding at the
+// source: under limits of 5 keys, 1 MiB values and 1 MiB in all (a mount
+// with max_files = 5 and max_mount_size = 1MiB), a prefix of 60 values of
+// 1.4 MB is refused after its first page — which carries the count — and
+// no value is kept; one of three keys keeps two and records the large one
+// as oversized, by size; a watch that grows the prefix past the limits
+// ends with the same refusal.
+func TestLimitsBoundWhatIsRead(t *testing.T) {
+	srv, cli := etcdtest.Start(t)
+	big := strings.Repeat("x", 1_400_000)
+	for i := range 60 {
+		etcdtest.Put(t, cli, fmt.Sprintf("/many/k%02d", i), big)
+	}
+	etcdtest.Put(t, cli, "/few/a", "1", "/few/b", "2", "/few/big", big)
+	lim := source.Limits{MaxKeys: 5, MaxValueSize: 1 << 20, MaxBytes: 1 << 20}
+	src, err := New("main", &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: 5 * time.Second}, sourcetest.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	refused := func(_ []source.Snapshot, err error) bool { return errors.Is(err, source.ErrOverLimits) }
+
+	many := sourcetest.FollowLimited(t, src, "/many/", lim)
+	many.WaitFor(t, "the refusal", refused)
+	snaps, err := many.State()
+	if !errors.Is(err, source.ErrOverLimits) || len(snaps) != 0 {
+		t.Errorf("60 values of 1.4 MB: %d snapshots, %v; want none and ErrOverLimits", len(snaps), err)
+	}
+
+	few := sourcetest.FollowLimited(t, src, "/few/", lim)
+	few.WaitFor(t, "two keys kept", sourcetest.Holds(map[string]string{"a": "1", "b": "2"}))
+	snaps, _ = few.State()
+	if last := snaps[len(snaps)-1]; last.Oversized["big"] != int64(len(big)) {
+		t.Errorf("oversized %v; want big of %d bytes", last.Oversized, len(big))
+	}
+	for i := range 4 {
+		etcdtest.Put(t, cli, fmt.Sprintf("/few/more%d", i), "x")
+	}
+	few.WaitFor(t, "the refusal of a sixth key", refused)
+	if _, err := few.State(); !errors.Is(err, source.ErrOverLimits) {
+		t.Errorf("after a sixth key: %v; want ErrOverLimits", err)
+	}
+}
+
+// TestPeerUser is the second review's tenth finding for etcd: a local user
+// who holds etcd's port while it is down feeds a root-owned mount over
+// plain TCP. With peer_user, every connection's other end must run as that
+// user (peercred): the real etcd (root here) is followed; a port a real
+// unprivileged user listens on is refused — ErrWrongPeer, not content —
+// and so is etcd itself when another user is expected.
+func TestPeerUser(t *testing.T) {
+	srv, cli := etcdtest.Start(t)
+	etcdtest.Put(t, cli, "/app/a", "1")
+	u := roottest.NewUser(t)
+	wrongPeer := func(_ []source.Snapshot, err error) bool { return errors.Is(err, peercred.ErrWrongPeer) }
+
+	root := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: 5 * time.Second, PeerUID: 0}, "/app/")
+	root.WaitFor(t, "etcd, run by root", sourcetest.Holds(map[string]string{"a": "1"}))
+
+	other := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch, DialTimeout: 5 * time.Second, PeerUID: u.UID}, "/app/")
+	other.WaitFor(t, "etcd refused: it does not run as the user expected", wrongPeer)
+
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	squat := u.Command("perl", "-MIO::Socket::INET", "-e", fmt.Sprintf(`$s = IO::Socket::INET->new(LocalAddr => "%s", Listen => 5, ReuseAddr => 1) or die; while ($c = $s->accept) { push @c, $c }`, addr))
+	if err := squat.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = squat.Process.Kill(); _ = squat.Wait() })
+	for deadline := time.Now().Add(sourcetest.Timeout); ; time.Sleep(20 * time.Millisecond) {
+		if c, err := net.Dial("tcp", addr); err == nil {
+			c.Close()
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the user's listener never came up")
+		}
+	}
+	squatted := follow(t, &Config{Endpoints: []string{"http://" + addr}, ChangeDetection: Watch, DialTimeout: 5 * time.Second, PeerUID: 0}, "/app/")
+	squatted.WaitFor(t, "the user's port refused", wrongPeer)
+	if snaps, _ := squatted.State(); len(snaps) != 0 {
+		t.Errorf("%d snapshots from the user's port", len(snaps))
 	}
 }

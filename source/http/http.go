@@ -11,8 +11,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"crypto/tls"
-	"crypto/x509"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -22,7 +20,6 @@ import (
 	"maps"
 	"net/http"
 	"net/url"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -71,6 +68,15 @@ type Config struct {
 	// MaxBodySize is the largest body accepted, in bytes; a larger one is
 	// an error and the content is kept.
 	MaxBodySize int64
+}
+
+// PlainTCP returns the URL when it is fetched over plain TCP, http://
+// (config.PlainTCP).
+func (c *Config) PlainTCP() []string {
+	if strings.HasPrefix(c.URL, "http://") {
+		return []string{c.URL}
+	}
+	return nil
 }
 
 // Kind returns the HTTP source kind for the registry.
@@ -153,7 +159,7 @@ type document struct {
 func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	transport := http.DefaultTransport.(*http.Transport).Clone()
 	if cfg.TLS.Enabled() {
-		tc, err := tlsConfig(cfg.TLS)
+		tc, err := cfg.TLS.Config()
 		if err != nil {
 			return nil, err
 		}
@@ -174,28 +180,6 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: origin.CheckRedirect(credentialHeaders...)}
 	s.fanout = source.NewFanout(s.poll)
 	return s, nil
-}
-
-func tlsConfig(t config.TLS) (*tls.Config, error) {
-	tc := &tls.Config{MinVersion: tls.VersionTLS12, ServerName: t.ServerName}
-	if t.CAFile != "" {
-		pem, err := os.ReadFile(t.CAFile)
-		if err != nil {
-			return nil, fmt.Errorf("source/http: tls: %w", err)
-		}
-		tc.RootCAs = x509.NewCertPool()
-		if !tc.RootCAs.AppendCertsFromPEM(pem) {
-			return nil, fmt.Errorf("source/http: tls: no certificate in %s", t.CAFile)
-		}
-	}
-	if t.CertFile != "" {
-		cert, err := tls.LoadX509KeyPair(t.CertFile, t.KeyFile)
-		if err != nil {
-			return nil, fmt.Errorf("source/http: tls: %w", err)
-		}
-		tc.Certificates = []tls.Certificate{cert}
-	}
-	return tc, nil
 }
 
 // Close releases idle connections. No Follow may be running.

@@ -383,7 +383,7 @@ func TestTLS(t *testing.T) {
 	untrusted.WaitFor(t, "certificate error", func(_ []source.Snapshot, err error) bool {
 		return err != nil && strings.Contains(err.Error(), "certificate")
 	})
-	trusted := follow(t, newSource(t, &Config{URL: srv.URL, TLS: config.TLS{CAFile: caFile, ServerName: "example.com"}}), "")
+	trusted := follow(t, newSource(t, &Config{URL: srv.URL, TLS: config.TLS{CAFile: caFile, CA: pemBytes, ServerName: "example.com"}}), "")
 	trusted.WaitFor(t, "content over TLS", sourcetest.Holds(map[string]string{"a": "over tls"}))
 }
 
