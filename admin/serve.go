@@ -158,7 +158,7 @@ func (s *Server) serveEndpoint(ctx context.Context, ep *endpoint) {
 			ErrorLog:          log.New(io.Discard, "", 0),
 		}
 		done := make(chan error, 1)
-		go func() { done <- srv.Serve(netutil.LimitListener(l, MaxConnections)) }()
+		go func() { done <- srv.Serve(netutil.LimitListener(limitPerUser(l), MaxConnections)) }()
 		select {
 		case err = <-done:
 		case <-ctx.Done():

@@ -8,11 +8,13 @@ import (
 
 	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // render prints the payload of mount as the daemon would write it (see
-// daemon.Render): one line per file, "MODE SIZE PATH", or with path the
-// bytes of that one file. It returns 0, or 1 with the error when the
+// daemon.Render): one line per file, "MODE SIZE PATH" with the path
+// escaped (a key name is outside text: untrusted.Escape), or with path the
+// bytes of that one file, as they are (as cat prints them). It returns 0, or 1 with the error when the
 // payload cannot be built, and 2 for a usage error.
 func render(ctx context.Context, opts daemon.Options, mount, path string, timeout time.Duration, stdout, stderr io.Writer) int {
 	if mount == "" {
@@ -21,7 +23,7 @@ func render(ctx context.Context, opts daemon.Options, mount, path string, timeou
 	}
 	payload, err := daemon.Render(ctx, opts, mount, timeout)
 	if err != nil {
-		fmt.Fprintln(stderr, err)
+		fmt.Fprintln(stderr, untrusted.Escape(err.Error()))
 		return exitFailure
 	}
 	if path != "" {
@@ -40,7 +42,7 @@ func render(ctx context.Context, opts daemon.Options, mount, path string, timeou
 	}
 	for _, p := range payload.Paths() {
 		f := payload[p]
-		fmt.Fprintf(stdout, "%04o %8d %s\n", f.Mode.Perm(), len(f.Data), p)
+		fmt.Fprintf(stdout, "%04o %8d %s\n", f.Mode.Perm(), len(f.Data), untrusted.Escape(p))
 	}
 	return exitOK
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/source"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // Exit code of status when the daemon cannot be reached.
@@ -67,7 +68,7 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 		if version == "" {
 			version = "-"
 		}
-		line := fmt.Sprintf("%-20s %-8s %-32s %s", name, m.State, version, age)
+		line := fmt.Sprintf("%-20s %-8s %-32s %s", untrusted.Escape(name), untrusted.Escape(m.State), untrusted.Escape(version), age)
 		if m.LastError != "" {
 			line += "  " + firstLine(m.LastError)
 		}
@@ -75,13 +76,13 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 	}
 	for name, src := range st.Sources {
 		if !src.Up {
-			fmt.Fprintf(stdout, "source %s is down: %s\n", name, firstLine(src.LastError))
+			fmt.Fprintf(stdout, "source %s is down: %s\n", untrusted.Escape(name), firstLine(src.LastError))
 		}
 	}
 	for _, ep := range st.Endpoints {
 		if !ep.Listening {
 			ok = false
-			fmt.Fprintf(stdout, "admin endpoint %s does not listen: %s (retrying)\n", ep.Address, firstLine(ep.Error))
+			fmt.Fprintf(stdout, "admin endpoint %s does not listen: %s (retrying)\n", untrusted.Escape(ep.Address), firstLine(ep.Error))
 		}
 	}
 	if !ok {
@@ -159,8 +160,10 @@ func checkPeer(c *net.UnixConn) error {
 	return nil
 }
 
-// firstLine cuts s at its first newline.
+// firstLine cuts s at its first newline and escapes it
+// (untrusted.Escape): what /status says comes from keys, disks, servers
+// and commands others control, and goes to a terminal.
 func firstLine(s string) string {
 	s, _, _ = strings.Cut(s, "\n")
-	return s
+	return untrusted.Escape(s)
 }
