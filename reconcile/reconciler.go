@@ -181,13 +181,19 @@ const peekers = 8
 // them, with Populator.SetMounts's error, or ctx's error.
 func (r *Reconciler) Reload(ctx context.Context, cfg ReloadConfig) error {
 	req := reloadRequest{cfg: cfg, done: make(chan error, 1)}
+	return ask(ctx, r.reloads, req, req.done)
+}
+
+// ask hands req to the loop over ch and returns the error the loop sends
+// back on done, or ctx's error if it ends first.
+func ask[R any](ctx context.Context, ch chan<- R, req R, done <-chan error) error {
 	select {
-	case r.reloads <- req:
+	case ch <- req:
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 	select {
-	case err := <-req.done:
+	case err := <-done:
 		return err
 	case <-ctx.Done():
 		return ctx.Err()
@@ -209,17 +215,7 @@ var ErrNotConfigured = errors.New("no such mount in the configuration")
 // ctx's error; ErrNotConfigured for a mount not configured.
 func (r *Reconciler) Adopt(ctx context.Context, mount string) error {
 	req := adoptRequest{mount: mount, done: make(chan error, 1)}
-	select {
-	case r.adopts <- req:
-	case <-ctx.Done():
-		return ctx.Err()
-	}
-	select {
-	case err := <-req.done:
-		return err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	return ask(ctx, r.adopts, req, req.done)
 }
 
 // adopt carries out an Adopt request in the loop.
