@@ -621,16 +621,25 @@ func warnUnreadable(sec *Section, m *Mount) {
 	if group < 0 {
 		group = primaryGroup(owner)
 	}
-	mode := m.DefaultMode
-	switch {
-	case m.CheckUID == 0, m.CheckUID == owner && mode&0o400 != 0, m.CheckGID == group && mode&0o040 != 0, mode&0o004 != 0:
-		return
-	}
 	key := "check_user"
 	if !sec.Has(key) {
 		key = "check_command"
 	}
-	sec.Warnf(key, "check_command runs as uid %d, who cannot read the mount's files (owner %d, group %d, mode %04o): set user or group, or check_user", m.CheckUID, owner, group, mode)
+	mode := m.DefaultMode
+	switch {
+	case m.CheckUID == 0, m.CheckUID == owner && mode&0o400 != 0, m.CheckGID == group && mode&0o040 != 0, mode&0o004 != 0:
+	default:
+		sec.Warnf(key, "check_command runs as uid %d, who cannot read the mount's files (owner %d, group %d, mode %04o): set user or group, or check_user", m.CheckUID, owner, group, mode)
+		return
+	}
+	// Until the check ends, the version's directories are root's, with the
+	// mount's group and dir_mode — unless the check runs as their owner.
+	dirMode := m.DirMode
+	switch {
+	case m.CheckUID == 0, m.CheckUID == m.UID, m.CheckGID == group && dirMode&0o050 == 0o050, dirMode&0o005 == 0o005:
+	default:
+		sec.Warnf(key, "check_command runs as uid %d, who cannot enter the new version's directories (root's while the check runs, group %d, dir_mode %04o): set group, or a dir_mode others can enter", m.CheckUID, group, dirMode)
+	}
 }
 
 // UserID returns the user named at key — a name or a numeric id — or -1

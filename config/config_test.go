@@ -613,6 +613,10 @@ func TestCommandUsers(t *testing.T) {
 			warn: "mount[0].notify_user: commands of this mount run as root"},
 		{name: "a check user who cannot read the files", extra: "default_mode = \"0400\"\n", checkUID: Nobody, checkGID: Nobody, notifyUID: Nobody, notifyGID: Nobody,
 			warn: "mount[0].check_command: check_command runs as uid 65534, who cannot read the mount's files"},
+		{name: "a check user who cannot enter the directories", extra: "user = \"4321\"\ndir_mode = \"0700\"\ncheck_user = \"5555\"\n", checkUID: 5555, checkGID: 5555, notifyUID: 4321, notifyGID: 4321,
+			warn: "who cannot enter the new version's directories"},
+		{name: "the directories' owner checks", extra: "user = \"4321\"\ndir_mode = \"0700\"\ndefault_mode = \"0400\"\n", checkUID: 4321, checkGID: 4321, notifyUID: 4321, notifyGID: 4321},
+		{name: "the mount's group may enter", extra: "user = \"4321\"\ngroup = \"8765\"\ndir_mode = \"0750\"\n", checkUID: 4321, checkGID: 8765, notifyUID: 4321, notifyGID: 8765},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			cfg, err := Parse("k.toml", []byte(head+tt.extra+notify), testKinds)

@@ -74,6 +74,9 @@ type WriterOptions struct {
 	// no longer the one written is written anew): no user can make the
 	// check read anything else, or wait on a FIFO.
 	Check func(Candidate) error
+	// CheckUID is the user Check's command runs as, -1 when unknown (see
+	// candidateDirs).
+	CheckUID int
 	// Grace is how long a replaced version directory stays after a
 	// switch, so that a reader that resolved ..data just before it can
 	// still open its files (git-sync keeps its old worktree likewise). A
@@ -382,8 +385,11 @@ type Candidate struct {
 // Path returns the new version directory's path.
 func (c Candidate) Path() string { return filepath.Join(c.MountDir, c.Version) }
 
-// SetCheck replaces WriterOptions.Check for the following writes.
-func (w *AtomicWriter) SetCheck(check func(Candidate) error) { w.opts.Check = check }
+// SetCheck replaces WriterOptions.Check, and CheckUID, for the following
+// writes.
+func (w *AtomicWriter) SetCheck(check func(Candidate) error, uid int) {
+	w.opts.Check, w.opts.CheckUID = check, uid
+}
 
 // Files returns how many files the current version holds: 0 when the
 // mount is empty or its content is unknown.

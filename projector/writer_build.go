@@ -254,8 +254,13 @@ func (w *AtomicWriter) chmodChownDir(d *os.File) error {
 // of the candidate, so that the check — which may run as another user
 // than the one who owns the mount, root included — reads exactly the
 // regular files kvmount put there.
+//
+// Not when the check runs as the user who owns the directories
+// (WriterOptions.CheckUID): that user can change only what their own check
+// sees, and could change the files after the switch anyway.
 func (w *AtomicWriter) candidateDirs() bool {
-	return w.opts.Check != nil && (w.opts.DirUID >= 0 && w.opts.DirUID != w.uid || w.opts.DirMode.Perm()&0o022 != 0)
+	othersOwn := w.opts.DirUID >= 0 && w.opts.DirUID != w.uid && w.opts.DirUID != w.opts.CheckUID
+	return w.opts.Check != nil && (othersOwn || w.opts.DirMode.Perm()&0o022 != 0)
 }
 
 // handOver gives the directories of the checked version name their

@@ -49,7 +49,7 @@ func TestNeverSwitchesToAVanishedVersion(t *testing.T) {
 		other := newWriter(t, dir)
 		_, err := other.Adopt()
 		return err
-	})
+	}, -1)
 	_, err := w.Write(Payload{"app.conf": file("new", 0o644), "d/x": file("x", 0o600)})
 	if !errors.Is(err, ErrVersionVanished) {
 		t.Fatalf("Write = %v; want ErrVersionVanished", err)
@@ -488,4 +488,60 @@ func TestForgedVersionNamesAreNotAdopted(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkMount(t, dir, payload)
+}
+
+// TestCandidateIsRootsUntilChecked: while a check runs as another user than
+// the one who owns the mount's directories, the candidate's directories
+// are kvmount's and writable by it alone; once the check has passed they
+// have their configured owner and mode. A check that runs as that owner
+// sees them as theirs from the start.
+func TestCandidateIsRootsUntilChecked(t *testing.T) {
+	roottest.Require(t)
+	for _, tc := range []struct {
+		name     string
+		checkUID int
+		mode     fs.FileMode
+		during   string
+	}{
+		{"another user checks", 0, 0o755, fmt.Sprintf("%d:8765 755", os.Geteuid())},
+		{"the owner checks", 4321, 0o755, "4321:8765 755"},
+		{"the owner checks, the group may write", 4321, 0o775, fmt.Sprintf("%d:8765 755", os.Geteuid())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirMode: tc.mode, DirUID: 4321, DirGID: 8765})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer w.Close()
+			var seen []string
+			w.SetCheck(func(c Candidate) error {
+				for _, d := range []string{c.Path(), filepath.Join(c.Path(), "sub")} {
+					info, err := os.Lstat(d)
+					if err != nil {
+						return err
+					}
+					st := info.Sys().(*syscall.Stat_t)
+					seen = append(seen, fmt.Sprintf("%d:%d %o", st.Uid, st.Gid, info.Mode().Perm()))
+				}
+				return nil
+			}, tc.checkUID)
+			payload := Payload{"sub/a": File{Data: []byte("1"), Mode: 0o644, UID: 4321, GID: 8765}}
+			if _, err := w.Write(payload); err != nil {
+				t.Fatal(err)
+			}
+			for _, got := range seen {
+				if got != tc.during {
+					t.Errorf("during the check a directory was %s; want %s", got, tc.during)
+				}
+			}
+			for _, d := range []string{w.Version(), filepath.Join(w.Version(), "sub")} {
+				info, _ := os.Lstat(filepath.Join(dir, d))
+				st := info.Sys().(*syscall.Stat_t)
+				if st.Uid != 4321 || st.Gid != 8765 || info.Mode().Perm() != tc.mode {
+					t.Errorf("after the check %s is %d:%d %o; want 4321:8765 %o", d, st.Uid, st.Gid, info.Mode().Perm(), tc.mode)
+				}
+			}
+		})
+	}
 }

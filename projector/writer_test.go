@@ -653,7 +653,7 @@ func TestCheckRefusesAVersion(t *testing.T) {
 			return errors.New("syntax error in app.conf")
 		}
 		return nil
-	})
+	}, -1)
 	good := Payload{"app.conf": file("good", 0o644)}
 	if _, err := w.Write(good); err != nil {
 		t.Fatal(err)

@@ -116,7 +116,7 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
 		return projector.Change{}, err
 	}
-	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log.With("mount", name)))
+	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log.With("mount", name)), spec.CheckUID)
 	change, err := rt.writer.Write(payload)
 	if errors.Is(err, syscall.ENOSPC) {
 		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
