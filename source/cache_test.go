@@ -174,6 +174,7 @@ func TestFeedKeepsWithinItsLimits(t *testing.T) {
 	if got := f.Limits(); got != small {
 		t.Errorf("limits of one use = %+v; want %+v", got, small)
 	}
+	waitRevision(t, f, "main") // the fake follow's own snapshot, first
 	f.Publish(Snapshot{Revision: "1", Entries: map[string][]byte{"a": []byte("1"), "big": []byte("12345")}})
 	st := f.State()
 	if st.Snapshot == nil || len(st.Snapshot.Entries) != 1 || st.Snapshot.Oversized["big"] != 5 {
