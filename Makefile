@@ -13,7 +13,7 @@ MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
 PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
 PKG_ARCHS   ?= amd64 arm64
 
-.PHONY: help build test fmt vet staticcheck consul-agent demo bench bench-fleet package clean
+.PHONY: help build test fmt vet staticcheck consul-agent vault-server demo bench bench-fleet package clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -21,14 +21,18 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent, an etcd server and consul-template once)
+test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent, an etcd server, consul-template and a Vault server once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
 		etcd=$$(scripts/etcd-server.sh) && echo "etcd server: $$etcd" && \
 		ct=$$(scripts/consul-template.sh) && echo "consul-template: $$ct" && \
-		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_CONSUL_TEMPLATE=$$ct $(GO) test -race -count=1 -timeout 30m ./...
+		vault=$$(scripts/vault-server.sh) && echo "vault server: $$vault" && \
+		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_CONSUL_TEMPLATE=$$ct KVMOUNT_VAULT=$$vault $(GO) test -race -count=1 -timeout 30m ./...
 
 consul-agent: ## build (once) and print the Consul agent the tests run, cached outside the repository
 	@scripts/consul-agent.sh
+
+vault-server: ## build (once) and print the Vault server the tests run (a test server only: Vault is BUSL-1.1), cached outside the repository
+	@scripts/vault-server.sh
 
 fmt: ## fail if gofmt would change a file
 	@files=$$(gofmt -l .); if [ -n "$$files" ]; then echo "gofmt would change:"; echo "$$files"; exit 1; fi

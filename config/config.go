@@ -389,18 +389,18 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 			sec.Errorf("projections", "a mount uses either source/prefix/items or [[mount.projections]], not both")
 		}
 		for _, psec := range sec.Tables("projections") {
-			m.Projections = append(m.Projections, decodeProjection(psec, cfg, m.Optional, paths))
+			m.Projections = append(m.Projections, decodeProjection(psec, cfg, m, paths))
 			psec.Done()
 		}
 		if len(m.Projections) == 0 {
 			sec.Errorf("projections", "needs at least one projection")
 		}
 	} else if shorthand {
-		m.Projections = []Projection{decodeProjection(sec, cfg, m.Optional, paths)}
+		m.Projections = []Projection{decodeProjection(sec, cfg, m, paths)}
 	} else {
 		sec.Errorf("", "source is missing: set source and prefix, or [[mount.projections]]")
 	}
-	m.Templates = decodeTemplates(sec, paths)
+	m.Templates = decodeTemplates(sec, paths, m, cfg)
 	m.KeysAsFiles = sec.Bool("keys_as_files", true)
 	if !m.KeysAsFiles && len(m.Templates) == 0 && !sec.Has("templates") {
 		sec.Errorf("keys_as_files", "false makes the keys feed templates only, and the mount has no [[mount.templates]]")
@@ -408,23 +408,40 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 	return m
 }
 
-// decodeProjection decodes one projection; paths collects the item paths of
-// the mount's projections, to reject two items producing one path.
-func decodeProjection(sec *Section, cfg *Config, optional bool, paths map[string]bool) Projection {
-	p := Projection{Optional: optional}
+// ProjectionDecoder is implemented by source settings whose projections
+// read more than a prefix (a Vault source's [mount.pki]): DecodeProjection
+// reads the projection's prefix and the keys of its own from sec — the
+// mount's table for the shorthand, else a [[mount.projections]] table —
+// reporting problems through it, and returns what the source follows: a
+// prefix in the source's own syntax. m is the mount, decoded up to its
+// projections (medium, user, immutable), for warnings.
+type ProjectionDecoder interface {
+	DecodeProjection(sec *Section, m *Mount) string
+}
+
+// decodeProjection decodes one projection of m; paths collects the item
+// paths of the mount's projections, to reject two items producing one
+// path.
+func decodeProjection(sec *Section, cfg *Config, m *Mount, paths map[string]bool) Projection {
+	p := Projection{Optional: m.Optional}
 	p.Source = sec.String("source", "")
-	switch _, ok := cfg.Sources[p.Source]; {
+	src, ok := cfg.Sources[p.Source]
+	switch {
 	case p.Source == "":
 		sec.Errorf("", "source is missing")
 	case !ok:
 		sec.Errorf("source", "unknown source %q; declare it as [sources.%s]", p.Source, p.Source)
 	}
-	p.Prefix = sec.String("prefix", "")
-	if p.Prefix != "" && !strings.HasSuffix(p.Prefix, "/") {
-		sec.Warnf("prefix", "%q does not end in \"/\": etcd and Consul prefixes match every key that starts with it (%q matches %q too)", p.Prefix, p.Prefix, p.Prefix+"-other/x")
+	if d, own := sourceSettings(src).(ProjectionDecoder); own {
+		p.Prefix = d.DecodeProjection(sec, m)
+	} else {
+		p.Prefix = sec.String("prefix", "")
+		if p.Prefix != "" && !strings.HasSuffix(p.Prefix, "/") {
+			sec.Warnf("prefix", "%q does not end in \"/\": etcd and Consul prefixes match every key that starts with it (%q matches %q too)", p.Prefix, p.Prefix, p.Prefix+"-other/x")
+		}
 	}
 	if sec.Has("optional") {
-		p.Optional = sec.Bool("optional", optional)
+		p.Optional = sec.Bool("optional", m.Optional)
 	}
 	if sec.Has("items") {
 		p.Items = []Item{}
@@ -451,6 +468,14 @@ func decodeProjection(sec *Section, cfg *Config, optional bool, paths map[string
 		}
 	}
 	return p
+}
+
+// sourceSettings returns src's settings; nil for a nil src.
+func sourceSettings(src *Source) any {
+	if src == nil {
+		return nil
+	}
+	return src.Settings
 }
 
 // systemDirs are directories kvmount refuses to own: a mount's content

@@ -68,6 +68,24 @@ func (s *Section) SecretFile(key string) Secret {
 	return Secret{value: value}
 }
 
+// ReadSecretFile reads the credential file name as SecretFile does (without
+// following a symlink in any component, without blocking, at most 64 KiB,
+// the trailing newline dropped), for a source that reads it again while it
+// runs, such as a token a vault-agent sink rotates. It returns an error for
+// an unreadable, empty, too large or non-regular file; the error names the
+// file, never its content.
+func ReadSecretFile(name string) (Secret, error) {
+	data, _, err := readBounded(name, secretFileLimit)
+	if err != nil {
+		return Secret{}, err
+	}
+	value := strings.TrimRight(string(data), "\r\n")
+	if value == "" {
+		return Secret{}, fmt.Errorf("%s is empty", name)
+	}
+	return Secret{value: value}, nil
+}
+
 // readers names who besides the owner may read a file of mode.
 func readers(mode uint32) string {
 	if mode&0o004 != 0 {

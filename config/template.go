@@ -13,12 +13,14 @@ import (
 // template's name: "LINE: message" or "LINE:COL: message".
 var templateLine = regexp.MustCompile(`^(\d+):(?:\d+:)? (.*)$`)
 
-// decodeTemplates decodes a mount's [[mount.templates]] entries: path,
+// decodeTemplates decodes the [[mount.templates]] entries of m: path,
 // mode, and exactly one of file (a Go text/template file, read now — at
 // start and on every reload) or text (inline). paths holds the item paths
 // of the mount's projections; a template path that collides with one of
-// them or with another template's is an error naming both.
-func decodeTemplates(sec *Section, paths map[string]bool) []*projector.Template {
+// them or with another template's is an error naming both. A call of
+// secret whose path no Vault projection of m holds is an error at its
+// line (checkSecretCalls).
+func decodeTemplates(sec *Section, paths map[string]bool, m *Mount, cfg *Config) []*projector.Template {
 	var out []*projector.Template
 	byPath := map[string]string{}
 	for i, tsec := range sec.Tables("templates") {
@@ -27,6 +29,7 @@ func decodeTemplates(sec *Section, paths map[string]bool) []*projector.Template 
 		if t == nil {
 			continue
 		}
+		checkSecretCalls(tsec, t, m, cfg)
 		switch {
 		case paths[t.Path]:
 			tsec.Errorf("path", "%q is also the path of an item", t.Path)
@@ -98,4 +101,43 @@ func decodeTemplate(sec *Section) *projector.Template {
 		return nil
 	}
 	return t
+}
+
+// SecretHolder is implemented by source settings whose projections read
+// secrets that templates read with secret (Vault): HoldsSecret reports
+// whether the projection of prefix holds the secret a template names with
+// path and params (string literals in the template).
+type SecretHolder interface {
+	HoldsSecret(prefix, path string, params []string) bool
+}
+
+// checkSecretCalls reports, at its line, each call of secret in t whose
+// path — a string literal — no projection of m holds: templates read only
+// what the mount's own projections read, so they stay hermetic. A path
+// that is not a literal is checked when the template renders.
+func checkSecretCalls(sec *Section, t *projector.Template, m *Mount, cfg *Config) {
+	for _, call := range t.SecretCalls() {
+		if call.Path == "" {
+			continue
+		}
+		held := false
+		for _, pr := range m.Projections {
+			if h, ok := sourceSettings(cfg.Sources[pr.Source]).(SecretHolder); ok && h.HoldsSecret(pr.Prefix, call.Path, call.Params) {
+				held = true
+				break
+			}
+		}
+		if held {
+			continue
+		}
+		msg := fmt.Sprintf("secret %q: no Vault projection of mount %s holds it; a template reads only what the mount's projections read (add one whose prefix or [mount.pki] covers it)", call.Path, m.Name)
+		if len(call.Params) > 0 {
+			msg = fmt.Sprintf("secret %q %s: no [mount.pki] projection of mount %s issues with these parameters; a template reads only what the mount's projections read", call.Path, strings.Join(call.Params, " "), m.Name)
+		}
+		if sec.Has("text") {
+			sec.doc.add(textStart(sec)+call.Line-1, sec.keyName("text"), "template: %s", msg)
+			continue
+		}
+		sec.Errorf("file", "template: %s:%d: %s", t.Origin, call.Line, msg)
+	}
 }

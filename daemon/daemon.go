@@ -223,13 +223,15 @@ func sourceMap(sources map[string]instance) map[string]source.Source {
 }
 
 // close stops the follows, closes the sources, stops the notifier and
-// releases the state directory's lock.
+// releases the state directory's lock. The cache closes first: its follows
+// end as the daemon's stop, not as released ones (source.ErrReleased),
+// whose leases a source revokes — a restart keeps them.
 func (d *daemon) close() {
-	if d.pop != nil {
-		d.pop.Close()
-	}
 	if d.cache != nil {
 		d.cache.Close()
+	}
+	if d.pop != nil {
+		d.pop.Close()
 	}
 	if d.notifier != nil {
 		d.notifier.Close()

@@ -27,6 +27,7 @@ import (
 	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/etcd"
 	httpsource "github.com/kvmount/kvmount/source/http"
+	"github.com/kvmount/kvmount/source/vault"
 )
 
 // waitTimeout bounds every wait in these tests. Changes propagate in
@@ -126,7 +127,7 @@ func (h *harness) mount(name, prefix string, extra ...string) string {
 func (h *harness) options() Options {
 	return Options{
 		ConfigPath: h.config,
-		Registry:   source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind()),
+		Registry:   source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind(), vault.Kind()),
 		LogOutput:  h.logs,
 	}
 }

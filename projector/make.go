@@ -32,6 +32,9 @@ type Projection struct {
 	// (source.Snapshot.Oversized): such a key fails the mount as a value
 	// over MaxValueSize would.
 	Oversized map[string]int64
+	// Secrets are what templates' secret function reads of the
+	// projection (source.Snapshot.Secrets); nil for most sources.
+	Secrets render.Secrets
 }
 
 // Item maps one key to a path, the kubelet's KeyToPath.
@@ -184,6 +187,9 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 				continue
 			}
 			return nil, nil, fmt.Errorf("mount %q: source %q: prefix %q does not exist", mount, pr.Source, pr.Prefix)
+		}
+		if view != nil && pr.Secrets != nil {
+			view.AddSecrets(pr.Secrets)
 		}
 		add := func(key, p string, mode fs.FileMode, value []byte) error {
 			clean, err := CleanPath(p)

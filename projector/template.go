@@ -48,6 +48,11 @@ func ParseTemplate(origin, path, text string, mode fs.FileMode) (*Template, erro
 	return &Template{Path: clean, Mode: mode, Origin: origin, tmpl: t}, nil
 }
 
+// SecretCalls returns the template's calls of secret, with their paths
+// and parameters when they are string literals (render.Template.SecretCalls),
+// for kvmount check.
+func (t *Template) SecretCalls() []render.SecretCall { return t.tmpl.SecretCalls() }
+
 // RenderCache lets a template none of whose inputs changed since its last
 // render reuse its output (render.Cache). The zero value is ready; it is
 // not safe for concurrent use (one populator owns it).

@@ -327,6 +327,7 @@ func (p *Populator) populate(pm *populated) bool {
 		pp := projector.Projection{
 			Source: pr.Source, Prefix: pr.Prefix, Optional: pr.Optional,
 			Missing: st.Snapshot.Missing, Entries: st.Snapshot.Entries, Oversized: st.Snapshot.Oversized,
+			Secrets: st.Snapshot.Secrets,
 		}
 		if pr.Items != nil {
 			pp.Items = make([]projector.Item, len(pr.Items))

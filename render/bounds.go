@@ -211,6 +211,7 @@ func (st *state) funcs(t *Template, used map[string]bool) template.FuncMap {
 	for name, fn := range st.keyFuncs() {
 		all[name] = fn
 	}
+	all["secret"] = st.secretFunc
 	all["executeTemplate"] = func(name string, data ...any) (string, error) {
 		var dot any
 		switch len(data) {
@@ -236,7 +237,7 @@ func (st *state) funcs(t *Template, used map[string]bool) template.FuncMap {
 		if !ok {
 			continue // a builtin such as len or index
 		}
-		_, trusted := keyFuncs[name]
+		trusted := keyFuncs[name] || secretFuncs[name]
 		out[name] = st.wrap(name, fn, preChecks[name], trusted)
 	}
 	return out

@@ -64,8 +64,12 @@ func (c *Cache) Forget(keep []*Template) {
 // signature returns what a template saw of p in keys: for a path, its
 // value, full key or why it was rejected ("\x00" when missing); for a
 // folder marker ("dir/\x00folder"), its value; for a listing ("dir/" or
-// ""), every key below it with its full key and value.
+// ""), every key below it with its full key and value; for a secret
+// ("\x00secret:PATH"), its lease and data.
 func signature(keys *Keys, p string) string {
+	if path, ok := strings.CutPrefix(p, secretRead); ok {
+		return secretSignature(keys, path)
+	}
 	if dir, ok := strings.CutSuffix(p, "\x00folder"); ok {
 		if v, ok := keys.folders[dir]; ok {
 			return "f" + v

@@ -81,6 +81,7 @@ var sprigSamples = map[string]string{
 var otherSamples = map[string]string{
 	"print": `{{ print "a" 1 }}`, "printf": `{{ printf "%05d %s" 7 "x" }}`, "println": `{{ println "a" }}`,
 	"html": `{{ html "<a>" }}`, "js": `{{ js "a'b" }}`, "urlquery": `{{ urlquery "a b" }}`,
+	"secret": `{{ with secret "kv/data/a" }}{{ .Data.data }}{{ end }}`,
 }
 
 // TestEveryFunctionIsHermetic enumerates the whole function map: each
@@ -92,6 +93,7 @@ func TestEveryFunctionIsHermetic(t *testing.T) {
 		documented[tc.name] = true
 	}
 	keys := keyView("a", "1", "dir/b", "2")
+	keys.AddSecrets(Secrets{"kv/data/a": NewSecret("", 0, false, map[string]any{"data": map[string]any{"x": "1", "y": "2", "z": "3"}}, nil)})
 	for _, name := range Names() {
 		var sample string
 		switch {

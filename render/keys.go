@@ -20,6 +20,8 @@ type Keys struct {
 	folders  map[string]string
 	rejected map[string]string
 	sorted   []string // values' paths, sorted, once listed
+	// secrets are what the secret function reads (AddSecrets).
+	secrets Secrets
 }
 
 // NewKeys returns an empty key view.

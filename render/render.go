@@ -60,6 +60,8 @@ type Template struct {
 	mu   sync.Mutex
 	tmpl *template.Template
 	st   *state
+	// secretCalls are the template's calls of secret, for kvmount check.
+	secretCalls []SecretCall
 }
 
 // Parse parses text as the template named name (its file, or
@@ -80,7 +82,7 @@ func Parse(name, text string) (*Template, error) {
 		if tt.Tree == nil {
 			continue
 		}
-		if err := inspect(tt.Tree, used); err != nil {
+		if err := inspect(tt.Tree, used, &t.secretCalls); err != nil {
 			return nil, err
 		}
 		addTicks(tt.Tree)
@@ -150,9 +152,10 @@ func (w *limitWriter) Write(p []byte) (int, error) {
 }
 
 // inspect walks a parsed template: it records the functions it calls in
-// used, and returns an error wrapping ErrRefused at the first refused
-// function or key name with a datacenter suffix.
-func inspect(tree *parse.Tree, used map[string]bool) error {
+// used and its calls of secret in calls, and returns an error wrapping
+// ErrRefused at the first refused function or key name with a datacenter
+// suffix.
+func inspect(tree *parse.Tree, used map[string]bool, calls *[]SecretCall) error {
 	var err error
 	var walk func(n parse.Node)
 	walk = func(n parse.Node) {
@@ -185,6 +188,9 @@ func inspect(tree *parse.Tree, used map[string]bool) error {
 		case *parse.CommandNode:
 			for i, a := range n.Args {
 				if id, ok := a.(*parse.IdentifierNode); ok {
+					if secretFuncs[id.Ident] {
+						*calls = append(*calls, secretCall(tree, n.Args, i))
+					}
 					if keyFuncs[id.Ident] {
 						for _, arg := range n.Args[i+1:] {
 							if s, ok := arg.(*parse.StringNode); ok && strings.Contains(s.Text, "@") {

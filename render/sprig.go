@@ -47,8 +47,9 @@ var refusedFuncs = func() map[string]string {
 	for reason, names := range map[string][]string{
 		"it reads Consul's catalog, and kvmount reads keys only": {"datacenters", "service", "services", "connect", "node", "nodes", "partitions", "peerings",
 			"exportedServices", "importedServices", "caRoots", "caLeaf", "byTag", "byPort", "byMeta"},
-		"it reads Vault, and kvmount reads keys only":                {"secret", "secrets", "pkiCert"},
-		"it reads Nomad, and kvmount reads keys only":                {"nomadServices", "nomadService", "nomadVarList", "nomadVarListSafe", "nomadVar", "nomadVarExists"},
+		"it lists Vault's secrets; secret reads those the mount's Vault projections read":                                                        {"secrets"},
+		"it issues a certificate of its own: project one with [mount.pki], which switches certificate and key together, and read it with secret": {"pkiCert"},
+		"it reads Nomad, and kvmount reads keys only":                                                                                            {"nomadServices", "nomadService", "nomadVarList", "nomadVarListSafe", "nomadVar", "nomadVarExists"},
 		"it reads the environment":                                   {"env", "mustEnv", "envOrDefault", "sprig_env", "sprig_expandenv"},
 		"it reads a file":                                            {"file"},
 		"it writes a file":                                           {"writeToFile"},
@@ -96,6 +97,7 @@ var parseFuncs = func() template.FuncMap {
 	for name, fn := range st.keyFuncs() {
 		fm[name] = fn
 	}
+	fm["secret"] = st.secretFunc
 	fm["executeTemplate"] = func(string, ...any) (string, error) { return "", nil }
 	fm["scratch"] = func() *Scratch { return nil }
 	for name, fn := range printFuncs {

@@ -26,7 +26,7 @@ type Feed struct {
 
 	// Owned by the cache, under cache.mu.
 	refs   int
-	cancel context.CancelFunc
+	cancel context.CancelCauseFunc
 	done   chan struct{}
 }
 
@@ -130,7 +130,7 @@ func (c *Cache) SetSources(sources map[string]Source) {
 	var stopping []chan struct{}
 	for key, f := range c.feeds {
 		if sources[key.source] != c.sources[key.source] && f.cancel != nil {
-			f.cancel()
+			f.cancel(nil)
 			stopping = append(stopping, f.done)
 			restart = append(restart, f)
 		}
@@ -192,8 +192,16 @@ func (c *Cache) Acquire(source, prefix string, lim Limits) (*Feed, error) {
 	return f, nil
 }
 
+// ErrReleased is the cause (context.Cause) of the end of a follow whose
+// last use was released: no mount follows the prefix any more — it was
+// removed from the configuration, or an immutable mount has its payload. A
+// source whose follow holds leases revokes them then (and not when the
+// daemon stops or the source is replaced, whose follows end with another
+// cause).
+var ErrReleased = errors.New("no mount follows the prefix any more")
+
 // Release gives up one use of f, acquired with lim; the last use stops its
-// follow.
+// follow, with the cause ErrReleased.
 func (c *Cache) Release(f *Feed, lim Limits) {
 	c.mu.Lock()
 	f.mu.Lock()
@@ -211,7 +219,7 @@ func (c *Cache) Release(f *Feed, lim Limits) {
 	f.cancel = nil
 	c.mu.Unlock()
 	if cancel != nil {
-		cancel()
+		cancel(ErrReleased)
 		<-done
 	}
 }
@@ -223,7 +231,7 @@ func (c *Cache) Close() {
 	var dones []chan struct{}
 	for _, f := range c.feeds {
 		if f.cancel != nil {
-			f.cancel()
+			f.cancel(nil)
 			dones = append(dones, f.done)
 			f.cancel = nil
 		}
@@ -245,7 +253,7 @@ func (c *Cache) Close() {
 // c.mu must be held.
 func (c *Cache) start(f *Feed) {
 	src := c.sources[f.source]
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancelCause(context.Background())
 	done := make(chan struct{})
 	f.cancel, f.done = cancel, done
 	go func() {

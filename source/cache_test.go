@@ -20,6 +20,8 @@ type fakeSource struct {
 	running map[string]int
 	started int
 	closed  bool
+	// causes are the causes of the follows' ends, in order.
+	causes []error
 }
 
 func newFake(name string) *fakeSource { return &fakeSource{name: name, running: map[string]int{}} }
@@ -33,6 +35,7 @@ func (f *fakeSource) Follow(ctx context.Context, prefix string, pub Publisher) e
 	<-ctx.Done()
 	f.mu.Lock()
 	f.running[prefix]--
+	f.causes = append(f.causes, context.Cause(ctx))
 	f.mu.Unlock()
 	return ctx.Err()
 }
@@ -134,6 +137,39 @@ func TestCacheRestartsFeedsOfAChangedSource(t *testing.T) {
 	}
 	if _, err := c.Acquire("main", "/x/", Limits{}); err == nil {
 		t.Errorf("Acquire of a removed source succeeded")
+	}
+}
+
+// TestFollowEndCause: a follow whose last use is released ends with the
+// cause ErrReleased (a source revokes its leases then); one replaced on a
+// new instance of its source, or stopped with the cache, ends otherwise.
+func TestFollowEndCause(t *testing.T) {
+	src := newFake("one")
+	c := NewCache(discard, func() {})
+	c.SetSources(map[string]Source{"main": src})
+	a, err := c.Acquire("main", "/a/", Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitRevision(t, a, "one")
+	c.Release(a, Limits{})
+	b, err := c.Acquire("main", "/b/", Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitRevision(t, b, "one")
+	replacement := newFake("two")
+	c.SetSources(map[string]Source{"main": replacement})
+	waitRevision(t, b, "two")
+	c.Close()
+	src.mu.Lock()
+	causes := append([]error(nil), src.causes...)
+	src.mu.Unlock()
+	replacement.mu.Lock()
+	causes = append(causes, replacement.causes...)
+	replacement.mu.Unlock()
+	if len(causes) != 3 || !errors.Is(causes[0], ErrReleased) || errors.Is(causes[1], ErrReleased) || errors.Is(causes[2], ErrReleased) {
+		t.Errorf("causes %v; want ErrReleased for the released follow only", causes)
 	}
 }
 

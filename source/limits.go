@@ -5,6 +5,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 )
 
@@ -105,4 +106,36 @@ func BoundRevision(revision string) string {
 	}
 	sum := sha256.Sum256([]byte(revision))
 	return "sha256:" + hex.EncodeToString(sum[:16])
+}
+
+// LimitBody returns body as one that fails, with an error wrapping
+// ErrOverLimits, once it has given more than limit bytes: a source reads
+// no more of a response than its mounts may take, whatever the server
+// sends.
+func LimitBody(body io.ReadCloser, limit int64) io.ReadCloser {
+	return &limitedBody{ReadCloser: body, limit: limit, left: limit}
+}
+
+type limitedBody struct {
+	io.ReadCloser
+	limit, left int64
+}
+
+func (b *limitedBody) Read(p []byte) (int, error) {
+	if b.left < 0 {
+		return 0, b.over()
+	}
+	if int64(len(p)) > b.left+1 {
+		p = p[:b.left+1]
+	}
+	n, err := b.ReadCloser.Read(p)
+	b.left -= int64(n)
+	if b.left < 0 {
+		return n, b.over()
+	}
+	return n, err
+}
+
+func (b *limitedBody) over() error {
+	return fmt.Errorf("a response larger than %d bytes %w", b.limit, ErrOverLimits)
 }

@@ -15,6 +15,7 @@ import (
 	"strings"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/render"
 )
 
 // Snapshot is the complete set of keys under one prefix of one source at one
@@ -32,6 +33,12 @@ type Snapshot struct {
 	// Limits.MaxValueSize to their sizes, in bytes: they exist, but their
 	// bytes were not kept.
 	Oversized map[string]int64
+	// Secrets, from a source that reads whole secrets (Vault), are what a
+	// template's secret function reads: each secret the entries came
+	// from, by every path a template may name it with. A value the
+	// source does not keep for its size (Oversized) is not in them
+	// either. Nil for other sources.
+	Secrets render.Secrets
 }
 
 // Publisher receives what a follow finds. The Cache's feeds implement it.

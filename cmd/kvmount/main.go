@@ -28,6 +28,7 @@ import (
 	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/etcd"
 	httpsource "github.com/kvmount/kvmount/source/http"
+	"github.com/kvmount/kvmount/source/vault"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -49,7 +50,7 @@ func main() {
 
 // registry is the table of source kinds kvmount is built with.
 func registry() *source.Registry {
-	return source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind())
+	return source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind(), vault.Kind())
 }
 
 const usage = `usage: kvmount <command> [-config FILE]

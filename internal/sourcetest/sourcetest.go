@@ -170,21 +170,35 @@ func Follow(tb testing.TB, src source.Source, prefix string) *Recorder {
 // FollowLimited is Follow with a Recorder whose Limits are lim.
 func FollowLimited(tb testing.TB, src source.Source, prefix string, lim source.Limits) *Recorder {
 	tb.Helper()
+	rec, _ := FollowStoppable(tb, src, prefix, lim)
+	return rec
+}
+
+// FollowStoppable is FollowLimited whose follow the test can end before it
+// ends itself: stop cancels it with cause (such as source.ErrReleased, the
+// cache's when no mount follows a prefix any more) and waits until Follow
+// has returned context.Canceled. Calls after the first do nothing.
+func FollowStoppable(tb testing.TB, src source.Source, prefix string, lim source.Limits) (*Recorder, func(cause error)) {
+	tb.Helper()
 	rec := NewRecorder()
 	rec.Limit = lim
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithCancelCause(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- src.Follow(ctx, prefix, rec) }()
-	tb.Cleanup(func() {
-		cancel()
-		select {
-		case err := <-done:
-			if !errors.Is(err, context.Canceled) {
-				tb.Errorf("Follow returned %v; want context.Canceled", err)
+	var once sync.Once
+	stop := func(cause error) {
+		once.Do(func() {
+			cancel(cause)
+			select {
+			case err := <-done:
+				if !errors.Is(err, context.Canceled) {
+					tb.Errorf("Follow returned %v; want context.Canceled", err)
+				}
+			case <-time.After(Timeout):
+				tb.Errorf("Follow did not return after cancel")
 			}
-		case <-time.After(Timeout):
-			tb.Errorf("Follow did not return after cancel")
-		}
-	})
-	return rec
+		})
+	}
+	tb.Cleanup(func() { stop(nil) })
+	return rec, stop
 }

@@ -13,7 +13,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -252,28 +251,6 @@ func withBodyLimit(ctx context.Context, limit int64) context.Context {
 	return context.WithValue(ctx, bodyLimitKey{}, limit)
 }
 
-// limitedBody is a response body that fails, with an error wrapping
-// source.ErrOverLimits, once it has given more than limit bytes.
-type limitedBody struct {
-	io.ReadCloser
-	left int64
-}
-
-func (b *limitedBody) Read(p []byte) (int, error) {
-	if b.left < 0 {
-		return 0, fmt.Errorf("source/consul: the response %w", source.ErrOverLimits)
-	}
-	if int64(len(p)) > b.left+1 {
-		p = p[:b.left+1]
-	}
-	n, err := b.ReadCloser.Read(p)
-	b.left -= int64(n)
-	if b.left < 0 {
-		return n, fmt.Errorf("source/consul: the response %w", source.ErrOverLimits)
-	}
-	return n, err
-}
-
 // RoundTrip sends a copy of req with only the configured token, namespace
 // and partition; a response to a request whose context carries a bound
 // (withBodyLimit) fails once its body passes it.
@@ -296,7 +273,7 @@ func (c configOnly) RoundTrip(req *http.Request) (*http.Response, error) {
 			resp.Body.Close()
 			return nil, fmt.Errorf("source/consul: a response of %d bytes %w", resp.ContentLength, source.ErrOverLimits)
 		}
-		resp.Body = &limitedBody{ReadCloser: resp.Body, left: limit}
+		resp.Body = source.LimitBody(resp.Body, limit)
 	}
 	return resp, err
 }
