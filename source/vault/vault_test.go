@@ -155,3 +155,124 @@ func TestConfigWarnings(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckRefusesSecretsOutsideProjections: kvmount check refuses, at its
+// line, a template's secret whose path no Vault projection of the mount
+// holds, or whose parameters are not its PKI projection's; a path of the
+// mount's projections, in either of a KV v2 secret's forms, passes.
+func TestCheckRefusesSecretsOutsideProjections(t *testing.T) {
+	tok := writeFile(t, t.TempDir(), "token", "t")
+	file := writeFile(t, t.TempDir(), "db.tmpl", "a\nb\n{{ with secret \"kv/other/x\" }}{{ end }}\n")
+	text := fmt.Sprintf(`[sources.v]
+type = "vault"
+address = "https://vault.example:8200"
+token_file = %q
+
+[[mount]]
+name = "m"
+dir = "/srv/m"
+medium = "tmpfs"
+keys_as_files = false
+
+  [[mount.projections]]
+  source = "v"
+  prefix = "kv/team/app/"
+
+  [[mount.projections]]
+  source = "v"
+    [mount.projections.pki]
+    role = "pki/issue/web"
+    common_name = "web.example.com"
+
+  [[mount.templates]]
+  path = "ok"
+  text = '''{{ with secret "kv/team/data/app/db" }}{{ end }}{{ with secret "kv/data/team/app/db" }}{{ end }}
+{{ with secret "kv/team/app/db" }}{{ end }}{{ with secret "pki/issue/web" "common_name=web.example.com" }}{{ end }}
+{{ with secret (printf "kv/team/app/%%s" "x") }}{{ end }}'''
+
+  [[mount.templates]]
+  path = "bad"
+  text = '''first line
+{{ with secret "kv/team/other" }}{{ end }}
+{{ with secret "pki/issue/web" "common_name=evil.example.com" }}{{ end }}'''
+
+  [[mount.templates]]
+  path = "file"
+  file = %q
+`, tok, file)
+	_, err := config.Parse("test.toml", []byte(text), map[string]config.SourceDecoder{"vault": Decode})
+	if err == nil {
+		t.Fatal("no error")
+	}
+	got := err.Error()
+	for _, want := range []string{
+		`test.toml:31: mount[0].templates[1].text: template: secret "kv/team/other": no Vault projection of mount m holds it`,
+		`test.toml:32: mount[0].templates[1].text: template: secret "pki/issue/web" common_name=evil.example.com: no [mount.pki] projection of mount m issues with these parameters`,
+		`template: ` + file + `:3: secret "kv/other/x": no Vault projection of mount m holds it`,
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("errors:\n%s\nwant one with %q", got, want)
+		}
+	}
+	if n := strings.Count(got, "\n") + 1; n != 3 {
+		t.Errorf("%d errors; want 3 (the paths of the mount's projections pass):\n%s", n, got)
+	}
+}
+
+// TestDecodeErrors: what a vault source and its projections refuse, at
+// their lines.
+func TestDecodeErrors(t *testing.T) {
+	tok := writeFile(t, t.TempDir(), "token", "t")
+	text := fmt.Sprintf(`[sources.v]
+type = "vault"
+address = "https://vault.example:8200/v1"
+token_file = %q
+change_detection = "watch"
+
+[sources.none]
+type = "vault"
+address = "https://vault.example:8200"
+
+[[mount]]
+name = "a"
+dir = "/srv/a"
+medium = "tmpfs"
+source = "v"
+prefix = "secret/../x"
+
+[[mount]]
+name = "b"
+dir = "/srv/b"
+medium = "tmpfs"
+immutable = true
+source = "v"
+  [mount.pki]
+  role = "pki/web"
+  ttl = "soon"
+
+[[mount]]
+name = "c"
+dir = "/srv/c"
+medium = "tmpfs"
+source = "v"
+`, tok)
+	_, err := config.Parse("test.toml", []byte(text), map[string]config.SourceDecoder{"vault": Decode})
+	if err == nil {
+		t.Fatal("no error")
+	}
+	for _, want := range []string{
+		`test.toml:3: sources.v.address: "https://vault.example:8200/v1": want scheme, host and port only`,
+		`test.toml:5: sources.v.change_detection: "watch": a vault source polls`,
+		`test.toml:7: sources.none: no credentials: set token_file`,
+		`test.toml:16: mount[0].prefix: "secret/../x": has an empty, "." or ".." element`,
+		`test.toml:25: mount[1].pki.role: "pki/web": want the issue endpoint of a PKI role`,
+		`test.toml:24: mount[1].pki: common_name is missing`,
+		`test.toml:26: mount[1].pki.ttl: "soon": want a positive duration`,
+		`mount[1].pki: mount b is immutable`,
+		`mount[2]: prefix is missing`,
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("errors:\n%s\nwant one with %q", err, want)
+		}
+	}
+}
