@@ -10,8 +10,10 @@ import (
 	"testing"
 
 	"github.com/kvmount/kvmount/internal/consultest"
+	"github.com/kvmount/kvmount/internal/vaulttest"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/consul"
+	"github.com/kvmount/kvmount/source/vault"
 )
 
 // consulTemplateBinary returns consul-template: $KVMOUNT_CONSUL_TEMPLATE,
@@ -173,4 +175,95 @@ keys_as_files = false
 	}
 	t.Logf("%d templates rendered the same bytes in consul-template v0.42.1 and kvmount", len(parityTemplates))
 
+}
+
+// parityVaultTemplates are templates of consul-template and vault-agent
+// users that read Vault with secret: KV v2 by its API path and by the
+// path consul-template completes with data/, KV v1, fields that are not
+// strings, the metadata, the lease.
+var parityVaultTemplates = map[string]string{
+	"kv2-fields":   `{{ with secret "secret/data/app/db" }}postgres://{{ .Data.data.user }}:{{ .Data.data.password }}@db:{{ .Data.data.port }}?ssl={{ .Data.data.ssl }}{{ end }}`,
+	"kv2-shim":     `{{ with secret "secret/app/db" }}{{ .Data.data.user }} v{{ .Data.metadata.version }} {{ .Data.metadata.destroyed }} {{ .Data.metadata.custom_metadata }}{{ end }}`,
+	"kv2-range":    `{{ with secret "secret/data/app/db" }}{{ range $k, $v := .Data.data }}{{ $k }}={{ $v }};{{ end }}{{ end }}`,
+	"kv2-json":     `{{ with secret "secret/data/app/db" }}{{ .Data.data | toJSON }}|{{ .Data.data.opts.pool }}|{{ .Data.data.tags }}{{ end }}`,
+	"kv2-yaml":     `{{ with secret "secret/data/app/db" }}{{ .Data.data | toYAML }}{{ end }}`,
+	"kv2-env":      `{{ with secret "secret/data/app/env" }}{{ range $k, $v := .Data.data }}export {{ $k | toUpper }}={{ $v | printf "%q" }}` + "\n" + `{{ end }}{{ end }}`,
+	"kv1":          `{{ with secret "kv1/app/api" }}{{ .Data.key }} {{ .LeaseDuration }} {{ .Renewable }} {{ .LeaseID }}{{ end }}`,
+	"kv-scratch":   `{{ with secret "secret/data/app/db" }}{{ scratch.Set "u" .Data.data.user }}{{ end }}{{ with secret "kv1/app/api" }}{{ scratch.Get "u" }}:{{ .Data.key }}{{ end }}`,
+	"kv2-base64":   `{{ with secret "secret/data/app/env" }}{{ .Data.data.blob | base64Decode }}{{ end }}`,
+	"kv2-optional": `{{ with secret "secret/data/app/db" }}{{ if index .Data.data "missing_field" }}yes{{ else }}no{{ end }}{{ end }}`,
+}
+
+// TestConsulTemplateVaultParity renders the Vault templates with
+// consul-template v0.42.1 and with kvmount render, against one real Vault
+// dev server, and requires the same bytes.
+func TestConsulTemplateVaultParity(t *testing.T) {
+	ct := consulTemplateBinary(t)
+	srv := vaulttest.Start(t)
+	srv.Put(t, "secret", "app/db", map[string]any{"user": "ada", "password": "p@ss w0rd", "port": 5432, "ssl": true,
+		"opts": map[string]any{"pool": 10}, "tags": []any{"a", "b"}})
+	srv.Put(t, "secret", "app/env", map[string]any{"db_host": "db.internal", "api_url": "https://x/?a=1&b=2", "blob": "aGVsbG8="})
+	srv.Write(t, "sys/mounts/kv1", map[string]any{"type": "kv", "options": map[string]any{"version": "1"}})
+	srv.Write(t, "kv1/app/api", map[string]any{"key": "k-123"})
+	dir := t.TempDir()
+	var ctArgs []string
+	var kvTemplates strings.Builder
+	for name, text := range parityVaultTemplates {
+		in := filepath.Join(dir, name+".tmpl")
+		if err := os.WriteFile(in, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		ctArgs = append(ctArgs, "-template", in+":"+filepath.Join(dir, "ct", name))
+		fmt.Fprintf(&kvTemplates, "  [[mount.templates]]\n  path = %q\n  file = %q\n", name, in)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, ct, append([]string{"-vault-addr", srv.URL(), "-vault-token", vaulttest.RootToken,
+		"-vault-renew-token=false", "-once", "-log-level", "err"}, ctArgs...)...)
+	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + dir}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("consul-template: %v\n%s", err, out)
+	}
+	token := filepath.Join(dir, "token")
+	if err := os.WriteFile(token, []byte(vaulttest.RootToken), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "kvmount.toml")
+	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`state_dir = %q
+[sources.v]
+type = "vault"
+address = %q
+token_file = %q
+
+[[mount]]
+name = "m"
+dir = %q
+medium = "tmpfs"
+keys_as_files = false
+
+  [[mount.projections]]
+  source = "v"
+  prefix = "secret/app/"
+
+  [[mount.projections]]
+  source = "v"
+  prefix = "kv1/app/api"
+
+%s`, filepath.Join(dir, "state"), srv.URL(), token, filepath.Join(dir, "mnt"), kvTemplates.String())), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	payload, err := Render(context.Background(), Options{ConfigPath: cfg, Registry: source.NewRegistry(vault.Kind()), LogOutput: os.Stderr}, "m", waitTimeout)
+	if err != nil {
+		t.Fatalf("kvmount render: %v", err)
+	}
+	for name := range parityVaultTemplates {
+		want, err := os.ReadFile(filepath.Join(dir, "ct", name))
+		if err != nil {
+			t.Fatalf("%s: consul-template rendered nothing: %v", name, err)
+		}
+		if got := string(payload[name].Data); got != string(want) {
+			t.Errorf("%s: kvmount rendered\n%q\nconsul-template\n%q", name, got, want)
+		}
+	}
+	t.Logf("%d Vault templates rendered the same bytes in consul-template v0.42.1 and kvmount", len(parityVaultTemplates))
 }

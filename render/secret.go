@@ -23,6 +23,8 @@ type Secret struct {
 	// Data is the response's data as JSON decoded it (numbers as
 	// json.Number, as the Vault API client decodes them).
 	Data map[string]any
+	// Warnings are the response's warnings.
+	Warnings []string
 
 	// params are the parameters of the write that made the secret (a
 	// PKI issue's common_name, alt_names, ttl); nil for a read.
@@ -108,7 +110,7 @@ func secretSignature(keys *Keys, p string) string {
 	if !ok {
 		return "\x00"
 	}
-	return fmt.Sprintf("s%s\x00%d\x00%t\x00%v", s.LeaseID, s.LeaseDuration, s.Renewable, s.Data)
+	return fmt.Sprintf("s%s\x00%d\x00%t\x00%v\x00%q", s.LeaseID, s.LeaseDuration, s.Renewable, s.Data, s.Warnings)
 }
 
 // SecretCall is one call of the secret function in a template, for kvmount

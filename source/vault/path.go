@@ -77,6 +77,10 @@ func (s *Source) engineOf(ctx context.Context, p string) (engine, error) {
 type kvSecret struct {
 	// version is a KV v2 secret's version; 0 for KV v1.
 	version int64
+	// lease is the response's lease duration, in seconds (KV v1's refresh
+	// interval), and warnings its warnings, for templates.
+	lease    int
+	warnings []string
 	// data is the response's data: {"data", "metadata"} for KV v2, the
 	// fields for KV v1.
 	data map[string]any
@@ -394,7 +398,7 @@ func (f *pathFollow) readKV2(ctx context.Context, eng engine, name string) (*kvS
 	if !ok {
 		return nil, nil
 	}
-	return &kvSecret{version: current, data: d.Data, fields: fields}, nil
+	return &kvSecret{version: current, lease: d.LeaseDuration, warnings: d.Warnings, data: d.Data, fields: fields}, nil
 }
 
 // readKV1 reads the KV v1 secret name; nil when it does not exist.
@@ -407,7 +411,7 @@ func (f *pathFollow) readKV1(ctx context.Context, eng engine, name string) (*kvS
 	if d == nil || d.Data == nil {
 		return nil, nil
 	}
-	return &kvSecret{data: d.Data, fields: d.Data}, nil
+	return &kvSecret{lease: d.LeaseDuration, warnings: d.Warnings, data: d.Data, fields: d.Data}, nil
 }
 
 // number returns a JSON number as an int64, 0 when it is not one.
@@ -482,7 +486,8 @@ func (f *pathFollow) publishKV(eng engine, rel string, folder bool, unreadable [
 			base = strings.TrimPrefix(name, rel) + "/"
 		}
 		data := secretFiles(entries, oversized, base, sec.fields, sec.data, kv2, lim)
-		tmpl := render.NewSecret("", 0, false, data, nil)
+		tmpl := render.NewSecret("", sec.lease, false, data, nil)
+		tmpl.Warnings = sec.warnings
 		secrets[eng.mount+name] = tmpl
 		if kv2 {
 			secrets[eng.mount+"data/"+name] = tmpl
@@ -573,7 +578,9 @@ func (f *pathFollow) publishOther(secret *api.Secret, data map[string]any) {
 	var secrets render.Secrets
 	if secret != nil {
 		kept := secretFiles(entries, oversized, "", data, data, false, lim)
-		secrets = render.Secrets{f.path: render.NewSecret(secret.LeaseID, secret.LeaseDuration, secret.Renewable, kept, nil)}
+		s := render.NewSecret(secret.LeaseID, secret.LeaseDuration, secret.Renewable, kept, nil)
+		s.Warnings = secret.Warnings
+		secrets = render.Secrets{f.path: s}
 	}
 	var lease []string
 	if secret != nil {

@@ -240,8 +240,10 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	snap := source.Snapshot{
 		Revision: "serial:" + serialOf(secret),
 		Entries:  entries,
-		Secrets:  render.Secrets{req.role: render.NewSecret(secret.LeaseID, secret.LeaseDuration, secret.Renewable, secret.Data, req.params())},
 	}
+	tmpl := render.NewSecret(secret.LeaseID, secret.LeaseDuration, secret.Renewable, secret.Data, req.params())
+	tmpl.Warnings = secret.Warnings
+	snap.Secrets = render.Secrets{req.role: tmpl}
 	if lim := pub.Limits(); lim.MaxValueSize > 0 {
 		for name, v := range entries {
 			if !lim.Keeps(len(v)) {
