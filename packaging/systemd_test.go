@@ -2,6 +2,8 @@ package packaging
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"net"
@@ -16,6 +18,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/roottest"
+	"github.com/kvmount/kvmount/internal/vaulttest"
 )
 
 // waitTimeout bounds every wait on the container.
@@ -511,4 +514,92 @@ func atoi(t *testing.T, s string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// TestVaultTLSRecipeOnBootedSystemd runs README's Vault recipe
+// (examples/vault-tls.toml) on a booted Debian 12 with Debian's nginx and a
+// Vault dev server over https, with a certificate valid for 9 s so that it
+// is issued again about every 6 s: nginx serves each new certificate, a
+// client checking every handshake against the PKI's CA never meets an
+// expired or mismatched one, and nginx is reloaded once per certificate —
+// never failing, as it would on a certificate beside another's key. The
+// KV mount holds the service's secret, readable by its group alone.
+func TestVaultTLSRecipeOnBootedSystemd(t *testing.T) {
+	roottest.Require(t)
+	requireTools(t, map[string]string{"debootstrap": "debootstrap", "systemd-nspawn": "systemd-container", "nsenter": "util-linux"})
+	pkgs := buildPackages(t)
+	srv := vaulttest.StartTLS(t)
+	srv.Write(t, "sys/mounts/pki", map[string]any{"type": "pki", "config": map[string]any{"max_lease_ttl": "87600h"}})
+	root := srv.Write(t, "pki/root/generate/internal", map[string]any{"common_name": "example.com", "ttl": "8760h"})
+	srv.Write(t, "pki/roles/web", map[string]any{"allowed_domains": "example.com", "allow_subdomains": true, "max_ttl": "72h",
+		"not_before_duration": "1s", "key_type": "ec", "key_bits": 256})
+	srv.Put(t, "secret", "app/db", map[string]any{"user": "ada", "password": "s3cret"})
+	roots := x509.NewCertPool()
+	if !roots.AppendCertsFromPEM([]byte(root.Data["certificate"].(string))) {
+		t.Fatal("no root certificate")
+	}
+	vaultCA, err := os.ReadFile(srv.CAFile())
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	c := boot(t, filepath.Join(repo, "dist"))
+	c.sh("dpkg -i /dist/" + filepath.Base(pkgs["deb/"+runtimeArch()]))
+	c.waitFor("systemctl is-active kvmount", "active")
+	c.waitFor("systemctl is-active nginx", "active")
+	c.sh("umask 077 && printf %s '" + vaulttest.RootToken + "' > /etc/kvmount/vault-token")
+	c.sh("cat > /etc/kvmount/vault-ca.pem <<'KVMOUNT_END'\n" + string(vaultCA) + "KVMOUNT_END")
+	recipe, err := os.ReadFile(filepath.Join(repo, "examples", "vault-tls.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	config := strings.Replace(string(recipe), `address = "https://vault.example:8200"`, fmt.Sprintf("address = %q", srv.URL()), 1)
+	config = strings.Replace(config, `ttl = "24h"`, `ttl = "9s"`, 1)
+	c.sh("cat > /etc/kvmount/kvmount.toml <<'KVMOUNT_END'\n" + config + "KVMOUNT_END")
+	if out := c.sh("kvmount check -config /etc/kvmount/kvmount.toml 2>&1"); !strings.Contains(out, "OK (1 source, 2 mounts, 0 warnings)") {
+		t.Errorf("kvmount check:\n%s", out)
+	}
+	c.sh("systemctl reload kvmount")
+	c.waitFor("test -s /run/nginx/tls/fullchain.pem && test -s /run/nginx/tls/private_key && echo yes", "yes")
+	c.waitFor("cat /run/app/secrets/db/password", "s3cret")
+	if got := c.sh("stat -c '%a %U %G' /run/app/secrets/..data/db/password /run/nginx/tls/..data/private_key"); got != "440 root www-data\n400 root root" {
+		t.Errorf("modes and owners:\n%s", got)
+	}
+	if got := c.sh("findmnt -n -o FSTYPE /run/nginx/tls"); got != "tmpfs" {
+		t.Errorf("/run/nginx/tls is on %s; want tmpfs", got)
+	}
+
+	port := freePort(t)
+	c.sh(fmt.Sprintf("cat > /etc/nginx/conf.d/tls.conf <<'KVMOUNT_END'\nserver {\n    listen 127.0.0.1:%s ssl;\n    ssl_certificate /run/nginx/tls/fullchain.pem;\n    ssl_certificate_key /run/nginx/tls/private_key;\n    location / { return 200 \"ok\\n\"; }\n}\nKVMOUNT_END", port))
+	c.sh("systemctl reload nginx")
+	served := map[string]bool{}
+	for deadline := time.Now().Add(waitTimeout); len(served) < 4; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("nginx served %d certificates in %v; want 4", len(served), waitTimeout)
+		}
+		conn, err := tls.Dial("tcp", "127.0.0.1:"+port, &tls.Config{RootCAs: roots, ServerName: "www.example.com"})
+		if err != nil {
+			if !strings.Contains(err.Error(), "connection refused") {
+				t.Errorf("handshake: %v", err) // expired, unknown, or mismatched
+			}
+			continue
+		}
+		served[conn.ConnectionState().PeerCertificates[0].SerialNumber.String()] = true
+		conn.Close()
+	}
+	c.sh("systemctl stop kvmount")
+	projected := atoi(t, c.sh("journalctl -u kvmount -o cat --no-pager | grep -c 'msg=projected mount=web-tls' || true"))
+	reloads := atoi(t, c.sh("journalctl -u nginx -o cat --no-pager | grep -c '^Reloaded' || true"))
+	// Once per certificate kvmount switched in, and once by hand for the
+	// site.
+	if reloads != projected+1 {
+		t.Errorf("nginx reloaded %d times for %d certificates (and the site once); want once each", reloads, projected)
+	}
+	t.Logf("nginx served %d certificates; kvmount switched in %d, nginx reloaded %d times", len(served), projected, reloads)
+	if failed := c.sh("journalctl -u nginx -o cat --no-pager | grep -ci 'fail' || true"); failed != "0" {
+		t.Errorf("nginx failed %s times:\n%s", failed, c.sh("journalctl -u nginx -o cat --no-pager | tail -n 20"))
+	}
+	if failed := c.sh("journalctl -u kvmount -o cat --no-pager | grep -c 'notification failed' || true"); failed != "0" {
+		t.Errorf("%s notifications failed", failed)
+	}
 }

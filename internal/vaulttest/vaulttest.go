@@ -63,6 +63,9 @@ type Server struct {
 	bin  string
 	port int
 	home string
+	// tls serves https with a CA of the server's own (-dev-tls), whose
+	// files are in home.
+	tls bool
 
 	mu   sync.Mutex
 	cmd  *exec.Cmd
@@ -77,6 +80,19 @@ type Server struct {
 // other ports, up to five times.
 func Start(tb testing.TB) *Server {
 	tb.Helper()
+	return start(tb, false)
+}
+
+// StartTLS is Start for a server that serves https (vault server -dev
+// -dev-tls), with a certificate for 127.0.0.1 from a CA of its own, whose
+// file CAFile returns.
+func StartTLS(tb testing.TB) *Server {
+	tb.Helper()
+	return start(tb, true)
+}
+
+func start(tb testing.TB, tls bool) *Server {
+	tb.Helper()
 	bin := Binary(tb)
 	var s *Server
 	for attempt := 1; ; attempt++ {
@@ -84,7 +100,7 @@ func Start(tb testing.TB) *Server {
 		if err != nil {
 			tb.Fatal(err)
 		}
-		s = &Server{bin: bin, port: port, home: tb.TempDir()}
+		s = &Server{bin: bin, port: port, home: tb.TempDir(), tls: tls}
 		err = s.Restart()
 		if err == nil {
 			break
@@ -106,7 +122,21 @@ func Start(tb testing.TB) *Server {
 func (s *Server) Addr() string { return "127.0.0.1:" + strconv.Itoa(s.port) }
 
 // URL returns the API's URL.
-func (s *Server) URL() string { return "http://" + s.Addr() }
+func (s *Server) URL() string {
+	if s.tls {
+		return "https://" + s.Addr()
+	}
+	return "http://" + s.Addr()
+}
+
+// CAFile returns the file of the CA a StartTLS server's certificate is
+// from; "" for a server of Start.
+func (s *Server) CAFile() string {
+	if !s.tls {
+		return ""
+	}
+	return filepath.Join(s.home, "vault-ca.pem")
+}
 
 // Logs returns what the server printed.
 func (s *Server) Logs() string { return s.logs.String() }
@@ -120,6 +150,9 @@ func (s *Server) Restart() error {
 		"-dev-no-store-token",
 		"-log-level=warn",
 	)
+	if s.tls {
+		cmd.Args = append(cmd.Args, "-dev-tls", "-dev-tls-cert-dir="+s.home)
+	}
 	// No VAULT_* of the test's environment, and a home of its own.
 	cmd.Env = []string{"HOME=" + s.home, "PATH=/usr/bin:/bin"}
 	cmd.Stdout, cmd.Stderr = &s.logs, &s.logs
@@ -134,14 +167,19 @@ func (s *Server) Restart() error {
 	s.mu.Lock()
 	s.cmd, s.done = cmd, done
 	s.mu.Unlock()
-	client := s.client()
+	var client *api.Client
 	deadline := time.Now().Add(startTimeout)
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		h, err := client.Sys().HealthWithContext(ctx)
-		cancel()
-		if err == nil && h.Initialized && !h.Sealed && !h.Standby {
-			return nil
+		if client == nil {
+			client, _ = s.newClient() // a -dev-tls server writes its CA first
+		}
+		if client != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			h, err := client.Sys().HealthWithContext(ctx)
+			cancel()
+			if err == nil && h.Initialized && !h.Sealed && !h.Standby {
+				return nil
+			}
 		}
 		select {
 		case <-done:
@@ -176,13 +214,29 @@ func (s *Server) Client(tb testing.TB) *api.Client {
 }
 
 func (s *Server) client() *api.Client {
-	c, err := api.NewClient(&api.Config{Address: s.URL(), Timeout: 10 * time.Second})
+	c, err := s.newClient()
 	if err != nil {
-		panic(err) // only for a malformed address, which URL never makes
+		panic(err) // the server is up: its address and CA are sound
+	}
+	return c
+}
+
+// newClient returns a client with the root token, trusting the server's
+// CA when it has one.
+func (s *Server) newClient() (*api.Client, error) {
+	cfg := &api.Config{Address: s.URL(), Timeout: 10 * time.Second}
+	if s.tls {
+		if err := cfg.ConfigureTLS(&api.TLSConfig{CACert: s.CAFile()}); err != nil {
+			return nil, err
+		}
+	}
+	c, err := api.NewClient(cfg)
+	if err != nil {
+		return nil, err
 	}
 	c.SetToken(RootToken)
 	c.ClearNamespace()
-	return c
+	return c, nil
 }
 
 // Write writes data at path (a PUT), failing the test on error, and

@@ -249,3 +249,23 @@ func TestEnvironmentIsIgnored(t *testing.T) {
 		}
 	}
 }
+
+// TestTLS reads a server that serves https with a CA of its own: with the
+// CA in tls.ca_file it is trusted; without, the source reports the
+// certificate it cannot verify and publishes nothing.
+func TestTLS(t *testing.T) {
+	srv := vaulttest.StartTLS(t)
+	srv.Put(t, "secret", "app/db", map[string]any{"user": "ada"})
+	tok := writeFile(t, t.TempDir(), "token", vaulttest.RootToken)
+	src, _ := openTest(t, fmt.Sprintf("address = %q\ntoken_file = %q\npoll_interval = \"100ms\"\n[sources.v.tls]\nca_file = %q\n", srv.URL(), tok, srv.CAFile()))
+	rec := sourcetest.Follow(t, src, "secret/app/")
+	rec.WaitFor(t, "the secret over https", sourcetest.Holds(map[string]string{"db/user": "ada"}))
+	if got := src.cfg.PlainTCP(); got != nil {
+		t.Errorf("PlainTCP = %v for https", got)
+	}
+	untrusted, _ := openTest(t, fmt.Sprintf("address = %q\ntoken_file = %q\npoll_interval = \"100ms\"\n", srv.URL(), tok))
+	bad := sourcetest.Follow(t, untrusted, "secret/app/")
+	bad.WaitFor(t, "the unverified certificate", func(snaps []source.Snapshot, err error) bool {
+		return len(snaps) == 0 && err != nil && strings.Contains(err.Error(), "certificate")
+	})
+}
