@@ -251,10 +251,12 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 			}
 		}
 	}
-	pub.Publish(snap)
+	// Logged before it is published, so that the log is never behind
+	// what a mount has seen.
 	next := max(reissueIn(validity), minReissue)
 	s.log.Info("issued a certificate", "role", req.role, "common_name", req.commonName, "serial", serialOf(secret),
 		"not_after", cert.NotAfter.UTC().Format(time.RFC3339), "reissue_in", next.Round(time.Second))
+	pub.Publish(snap)
 	return secret.LeaseID, next, nil
 }
 
