@@ -19,7 +19,7 @@ import (
 // consulTemplateBinary returns consul-template: $KVMOUNT_CONSUL_TEMPLATE,
 // else the build scripts/consul-template.sh caches. Without one the test
 // is skipped — or fails when CI=true.
-func consulTemplateBinary(t *testing.T) string {
+func consulTemplateBinary(t testing.TB) string {
 	t.Helper()
 	if bin := os.Getenv("KVMOUNT_CONSUL_TEMPLATE"); bin != "" {
 		return bin

@@ -92,7 +92,7 @@ func TestVaultKV(t *testing.T) {
 
 // enableVaultPKI mounts a PKI engine at pki/ with a root CA and the role
 // web for example.com and its subdomains.
-func enableVaultPKI(t *testing.T, srv *vaulttest.Server, lease bool) {
+func enableVaultPKI(t testing.TB, srv *vaulttest.Server, lease bool) {
 	t.Helper()
 	srv.Write(t, "sys/mounts/pki", map[string]any{"type": "pki", "config": map[string]any{"max_lease_ttl": "87600h"}})
 	srv.Write(t, "pki/root/generate/internal", map[string]any{"common_name": "example.com", "ttl": "8760h"})
@@ -102,7 +102,7 @@ func enableVaultPKI(t *testing.T, srv *vaulttest.Server, lease bool) {
 
 // serialOf returns the serial number of the PEM certificate data, as Vault
 // writes it (hex pairs with colons).
-func serialOf(t *testing.T, data string) string {
+func serialOf(t testing.TB, data string) string {
 	t.Helper()
 	block, _ := pem.Decode([]byte(data))
 	if block == nil {
@@ -306,5 +306,40 @@ func TestVaultLeaseRevokedWhenMountRemoved(t *testing.T) {
 	}
 	if revoked(kept2) || revoked(kept) {
 		t.Error("the kept mount's certificate was revoked")
+	}
+}
+
+// TestVaultPKIItems renames a certificate's files with items, as a service
+// that wants tls.crt and tls.key does; the files left out are not written,
+// and an item's mode applies.
+func TestVaultPKIItems(t *testing.T) {
+	roottest.Require(t)
+	h, srv, _ := vaultHarness(t)
+	enableVaultPKI(t, srv, false)
+	dir := h.path("mnt", "tls")
+	h.writeConfig(h.tmpfsMount("tls", "", `default_mode = "0444"`,
+		"[mount.pki]\nrole = \"pki/issue/web\"\ncommon_name = \"web.example.com\"\nttl = \"1h\"\n",
+		"[[mount.items]]\nkey = \"certificate\"\npath = \"tls.crt\"\n",
+		"[[mount.items]]\nkey = \"private_key\"\npath = \"tls.key\"\nmode = \"0400\"\n"))
+	h.start()
+	var got map[string]string
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		if got, _ = content(dir); got["tls.key"] != "" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("mount holds %s", summary(got))
+		}
+	}
+	if len(got) != 2 {
+		t.Errorf("mount holds %s; want tls.crt and tls.key only", summary(got))
+	}
+	if _, err := tls.X509KeyPair([]byte(got["tls.crt"]), []byte(got["tls.key"])); err != nil {
+		t.Errorf("tls.crt and tls.key do not match: %v", err)
+	}
+	for name, mode := range map[string]os.FileMode{"tls.crt": 0o444, "tls.key": 0o400} {
+		if st, err := os.Stat(filepath.Join(dir, name)); err != nil || st.Mode().Perm() != mode {
+			t.Errorf("%s: %v, %v; want mode %v", name, st.Mode(), err, mode)
+		}
 	}
 }

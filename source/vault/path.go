@@ -139,9 +139,9 @@ func (s *Source) followPath(ctx context.Context, p string, pub source.Publisher)
 			// No token: the session retries, and says when it has one.
 			pub.Status(fmt.Errorf("source/vault: %w", err))
 		case err != nil:
-			pub.Status(fmt.Errorf("source/vault: %s: %w", p, err))
 			wait := bo.NextBackOff()
 			s.log.Warn("source unavailable, keeping last content", "path", p, "err", err, "retry_in", wait)
+			pub.Status(fmt.Errorf("source/vault: %s: %w", p, err))
 			next = time.After(wait)
 		default:
 			bo.Reset()
