@@ -83,6 +83,7 @@ func TestPackageContents(t *testing.T) {
 		"./usr/share/doc/kvmount/notify-reload.conf":             "-rw-r--r--",
 		"./usr/share/doc/kvmount/examples/etcd.toml":             "-rw-r--r--",
 		"./usr/share/doc/kvmount/examples/service.toml":          "-rw-r--r--",
+		"./usr/share/doc/kvmount/examples/vault-tls.toml":        "-rw-r--r--",
 	}
 	for _, arch := range []string{"amd64", "arm64"} {
 		deb := pkgs["deb/"+arch]
