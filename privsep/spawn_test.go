@@ -1,0 +1,321 @@
+package privsep
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+
+	seccomp "github.com/elastic/go-seccomp-bpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/internal/roottest"
+)
+
+// TestHelperProcess is the worker of the tests, run by them as a real
+// unprivileged user (roottest.User.Helper); outside them it does nothing.
+func TestHelperProcess(t *testing.T) {
+	roottest.RunHelper(map[string]func() error{"worker": testWorker})
+}
+
+// workerReport is what the test worker prints: what Confine applied and,
+// for each attempt, its error ("" for none).
+type workerReport struct {
+	Confinement Confinement
+	Attempts    map[string]string
+}
+
+// testWorker confines itself when KVMOUNT_TEST_CONFINE is set (to the TCP
+// port KVMOUNT_TEST_ALLOWED), prints "ready", waits for a line on stdin
+// (the test reads its /proc/PID/status meanwhile), then tries what a
+// compromised worker would, and prints a workerReport.
+func testWorker() error {
+	var report workerReport
+	allowed, _ := strconv.Atoi(os.Getenv("KVMOUNT_TEST_ALLOWED"))
+	if os.Getenv("KVMOUNT_TEST_CONFINE") != "" {
+		c, err := Confine(Policy{ReadFiles: []string{"/etc/hosts"}, ConnectTCP: []uint16{uint16(allowed)}})
+		if err != nil {
+			return err
+		}
+		report.Confinement = c
+	}
+	fmt.Println("ready")
+	if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+		return err
+	}
+	monitor, _ := strconv.Atoi(os.Getenv("KVMOUNT_TEST_MONITOR"))
+	attempts := map[string]func() error{
+		"open /etc/shadow": func() error { return closeAfter(os.Open("/etc/shadow")) },
+		"open /etc/passwd": func() error { return closeAfter(os.Open("/etc/passwd")) },
+		"read /etc/hosts":  func() error { _, err := os.ReadFile("/etc/hosts"); return err },
+		"write under /root": func() error {
+			f, err := os.OpenFile("/root/kvmount-privsep-test", os.O_CREATE|os.O_WRONLY|os.O_EXCL, 0o600)
+			if err == nil {
+				f.Close()
+				os.Remove(f.Name())
+			}
+			return err
+		},
+		"write under /tmp": func() error {
+			f, err := os.CreateTemp("/tmp", "kvmount-privsep-*")
+			if err == nil {
+				f.Close()
+				os.Remove(f.Name())
+			}
+			return err
+		},
+		"mount":        func() error { return unix.Mount("tmpfs", os.TempDir(), "tmpfs", 0, "") },
+		"kill 1":       func() error { return unix.Kill(1, 0) },
+		"ptrace":       func() error { return unix.PtraceAttach(monitor) },
+		"unshare user": func() error { return unix.Unshare(unix.CLONE_NEWUSER) },
+		"execve": func() error {
+			// A plain fork and exec: os/exec would open /dev/null first.
+			pid, err := syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{Dir: "/"})
+			if err == nil {
+				_, err = syscall.Wait4(pid, nil, 0, nil)
+			}
+			return err
+		},
+		"setresuid": func() error {
+			// Keeping every id (-1) is a no-op any process may ask for.
+			const keep = uintptr(0xffffffff)
+			if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, keep, keep, keep); e != 0 {
+				return e
+			}
+			return nil
+		},
+		"connect allowed": func() error {
+			return closeAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_ALLOWED_ADDR")))
+		},
+		"connect other": func() error {
+			return closeAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_OTHER_ADDR")))
+		},
+	}
+	report.Attempts = map[string]string{}
+	for name, try := range attempts {
+		if err := try(); err != nil {
+			report.Attempts[name] = err.Error()
+		} else {
+			report.Attempts[name] = ""
+		}
+	}
+	return json.NewEncoder(os.Stdout).Encode(report)
+}
+
+// closeAfter closes what an open or dial returned, and returns its error.
+func closeAfter[T interface{ Close() error }](v T, err error) error {
+	if err == nil {
+		v.Close()
+	}
+	return err
+}
+
+// runWorker spawns the test worker as a new unprivileged user, confined
+// or not, and returns its /proc/PID/status (read while it waits) and its
+// report.
+func runWorker(t *testing.T, confine bool) (map[string]string, workerReport) {
+	t.Helper()
+	u := roottest.NewUser(t)
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		go func() {
+			for {
+				c, err := l.Accept()
+				if err != nil {
+					return
+				}
+				c.Close()
+			}
+		}()
+		return l
+	}
+	allowed, other := listen(), listen()
+	env := []string{
+		"KVMOUNT_TEST_ALLOWED=" + strconv.Itoa(allowed.Addr().(*net.TCPAddr).Port),
+		"KVMOUNT_TEST_ALLOWED_ADDR=" + allowed.Addr().String(),
+		"KVMOUNT_TEST_OTHER_ADDR=" + other.Addr().String(),
+		"KVMOUNT_TEST_MONITOR=" + strconv.Itoa(os.Getpid()),
+	}
+	if confine {
+		env = append(env, "KVMOUNT_TEST_CONFINE=1")
+	}
+	cmd := u.Helper(t, "worker", env...)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	w, err := Spawn(cmd, Identity{UID: u.UID, GID: u.GID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		w.Process.Kill()
+		w.Wait()
+	})
+	out := bufio.NewReader(stdout)
+	if line, err := out.ReadString('\n'); line != "ready\n" {
+		w.Wait()
+		t.Fatalf("the worker said %q, %v; stderr:\n%s", line, err, stderr.String())
+	}
+	status := procStatus(t, w.Process.Pid)
+	if _, err := stdin.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	var report workerReport
+	if err := json.NewDecoder(out).Decode(&report); err != nil {
+		w.Wait()
+		t.Fatalf("the worker's report: %v; stderr:\n%s", err, stderr.String())
+	}
+	if err := w.Wait(); err != nil {
+		t.Fatalf("the worker: %v; stderr:\n%s", err, stderr.String())
+	}
+	return status, report
+}
+
+// procStatus returns the fields of /proc/PID/status.
+func procStatus(t *testing.T, pid int) map[string]string {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fields := map[string]string{}
+	for line := range strings.SplitSeq(string(data), "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			fields[k] = strings.TrimSpace(v)
+		}
+	}
+	return fields
+}
+
+// TestSpawnedWorkerHoldsNoPrivilege: a worker started by Spawn runs as its
+// user in no other group, every capability set empty, no_new_privs set —
+// whatever Confine does after.
+func TestSpawnedWorkerHoldsNoPrivilege(t *testing.T) {
+	roottest.Require(t)
+	status, _ := runWorker(t, false)
+	for _, field := range []string{"CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"} {
+		if status[field] != "0000000000000000" {
+			t.Errorf("%s: %s; want none", field, status[field])
+		}
+	}
+	if uid := strings.Fields(status["Uid"]); len(uid) != 4 || slicesContain(uid, "0") {
+		t.Errorf("Uid: %s; want no root id", status["Uid"])
+	}
+	if gid := strings.Fields(status["Gid"]); len(gid) != 4 || slicesContain(gid, "0") {
+		t.Errorf("Gid: %s; want no root id", status["Gid"])
+	}
+	if status["Groups"] != "" {
+		t.Errorf("Groups: %s; want none", status["Groups"])
+	}
+	if status["NoNewPrivs"] != "1" {
+		t.Errorf("NoNewPrivs: %s", status["NoNewPrivs"])
+	}
+	// The monitor's own threads keep their privileges.
+	self := procStatus(t, os.Getpid())
+	if self["CapBnd"] == "0000000000000000" || self["NoNewPrivs"] == "1" {
+		t.Errorf("the monitor lost its privileges: CapBnd %s, NoNewPrivs %s", self["CapBnd"], self["NoNewPrivs"])
+	}
+}
+
+func slicesContain(s []string, v string) bool {
+	for _, e := range s {
+		if e == v {
+			return true
+		}
+	}
+	return false
+}
+
+// TestConfinedWorker: the worker confined by Confine shows Seccomp 2 and
+// fails at everything a compromised worker would try — reading
+// /etc/shadow or any file outside its policy, writing under /root or
+// anywhere, mounting, signalling PID 1, tracing the monitor, a
+// user namespace, changing its ids, executing a program, connecting to a port not
+// configured — while it still reads its policy's files and connects to
+// its port. The same worker unconfined does what Landlock and seccomp
+// alone refuse, so the test fails if they are not applied.
+func TestConfinedWorker(t *testing.T) {
+	roottest.Require(t)
+	status, confined := runWorker(t, true)
+	if status["Seccomp"] != "2" {
+		t.Errorf("Seccomp: %s; want 2 (filter)", status["Seccomp"])
+	}
+	if !confined.Confinement.Seccomp || confined.Confinement.LandlockABI < 4 {
+		// This machine's kernel has Landlock ABI 7 and seccomp.
+		t.Errorf("confinement %+v; want seccomp and Landlock ABI 4 or later", confined.Confinement)
+	}
+	denied := map[string]error{
+		"open /etc/shadow":  unix.EACCES,
+		"open /etc/passwd":  unix.EACCES, // Landlock: outside the policy
+		"write under /root": unix.EACCES,
+		"write under /tmp":  unix.EACCES, // Landlock
+		"mount":             unix.EPERM,
+		"kill 1":            unix.EPERM,
+		"ptrace":            unix.EPERM,
+		"unshare user":      unix.EPERM, // seccomp
+		"execve":            unix.EPERM, // seccomp
+		"setresuid":         unix.EPERM, // seccomp
+		"connect other":     unix.EACCES,
+	}
+	for name, want := range denied {
+		got, ok := confined.Attempts[name]
+		if !ok || got == "" || !strings.Contains(got, want.Error()) {
+			t.Errorf("%s: %q; want it refused with %v", name, got, want)
+		}
+	}
+	for _, name := range []string{"read /etc/hosts", "connect allowed"} {
+		if got := confined.Attempts[name]; got != "" {
+			t.Errorf("%s: %s; the policy allows it", name, got)
+		}
+	}
+
+	_, free := runWorker(t, false)
+	for _, name := range []string{"open /etc/passwd", "write under /tmp", "setresuid", "execve", "connect other"} {
+		if got := free.Attempts[name]; got != "" {
+			t.Errorf("unconfined, %s: %s; want it to succeed, so that the confined refusal is Confine's", name, got)
+		}
+	}
+}
+
+// TestSpawnRefusesRoot: a worker never runs as root.
+func TestSpawnRefusesRoot(t *testing.T) {
+	for _, id := range []Identity{{0, 1000}, {1000, 0}} {
+		if _, err := Spawn(nil, id); err == nil {
+			t.Errorf("Spawn as %+v: no error", id)
+		}
+	}
+}
+
+// TestDeniedSyscallsExist: every name in the filter is a system call of
+// this architecture (the library refuses unknown names), and none is
+// listed twice.
+func TestDeniedSyscallsExist(t *testing.T) {
+	seen := map[string]bool{}
+	for _, n := range deniedSyscalls() {
+		if seen[n] {
+			t.Errorf("%s listed twice", n)
+		}
+		seen[n] = true
+	}
+	p := seccomp.Policy{DefaultAction: seccomp.ActionAllow, Syscalls: []seccomp.SyscallGroup{{Action: seccomp.ActionErrno, Names: deniedSyscalls()}}}
+	if _, err := p.Assemble(); err != nil {
+		t.Fatal(err)
+	}
+}
