@@ -278,21 +278,32 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			return nil, nil, err
 		}
 	}
+	if err := CheckLimits(mount, payload, opts); err != nil {
+		return nil, nil, err
+	}
+	return payload, rejected, nil
+}
+
+// CheckLimits applies the limits of opts that bound a whole payload:
+// MaxFiles to its files and directories together, and MaxSize to its bytes
+// with pageSize (4 KiB) counted for each directory, which takes a block on
+// disk and a page on tmpfs. It returns an error wrapping ErrTooManyFiles or
+// ErrMountTooLarge that names the mount, or nil.
+func CheckLimits(mount string, payload Payload, opts Options) error {
 	ndirs := len(directories(payload))
 	if opts.MaxFiles > 0 && len(payload)+ndirs > opts.MaxFiles {
-		return nil, nil, tooManyFiles(mount, len(payload), ndirs, opts.MaxFiles)
+		return tooManyFiles(mount, len(payload), ndirs, opts.MaxFiles)
 	}
 	if opts.MaxSize > 0 {
 		if size := payload.Size() + int64(ndirs)*pageSize; size > opts.MaxSize {
 			dirsNote := ""
 			if ndirs > 0 {
-				// A directory takes a block on disk, a page on tmpfs.
 				dirsNote = fmt.Sprintf(" (%d bytes counted for each of its %d directories)", pageSize, ndirs)
 			}
-			return nil, nil, fmt.Errorf("mount %q: payload of %d bytes%s exceeds %w (%d bytes); the largest file is %q", mount, size, dirsNote, ErrMountTooLarge, opts.MaxSize, largest(payload))
+			return fmt.Errorf("mount %q: payload of %d bytes%s exceeds %w (%d bytes); the largest file is %q", mount, size, dirsNote, ErrMountTooLarge, opts.MaxSize, largest(payload))
 		}
 	}
-	return payload, rejected, nil
+	return nil
 }
 
 // oversized returns the error of the first key of pr (in byte order) whose

@@ -1,0 +1,258 @@
+package privsep
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/kvmount/kvmount/projector"
+)
+
+// encode returns the frames of msgs.
+func encode(t testing.TB, msgs ...Message) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	e := NewEncoder(&buf)
+	for _, m := range msgs {
+		if err := e.Encode(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// payloadFrames returns the frames of a payload for mount of files.
+func payloadFrames(t testing.TB, mount, revision string, files map[string]string) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	e := NewEncoder(&buf)
+	if err := e.Encode(&Begin{Mount: mount, Revision: revision, Files: uint32(len(files))}); err != nil {
+		t.Fatal(err)
+	}
+	for p, data := range files {
+		if err := e.EncodeFile(p, 0o644, []byte(data)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Encode(&Commit{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// assemble decodes stream and feeds an assembler for mounts with it; it
+// returns the payloads completed and the first error.
+func assemble(stream []byte, mounts map[string]MountLimits) ([]*Payload, error) {
+	d := NewDecoder(bytes.NewReader(stream))
+	a := NewAssembler(mounts)
+	var out []*Payload
+	for {
+		m, err := d.Decode()
+		if err == io.EOF {
+			return out, nil
+		}
+		if err != nil {
+			return out, err
+		}
+		if _, ok := m.(*State); ok {
+			continue
+		}
+		if _, ok := m.(*Credential); ok {
+			continue
+		}
+		p, err := a.Add(m)
+		if err != nil {
+			return out, err
+		}
+		if p != nil {
+			out = append(out, p)
+		}
+	}
+}
+
+var testMounts = map[string]MountLimits{
+	"app":   {MaxValueSize: 1 << 20, MaxSize: 4 << 20, MaxFiles: 100},
+	"small": {MaxValueSize: 10, MaxSize: 8192, MaxFiles: 3},
+}
+
+// TestRoundTrip: every message survives encoding, a file larger than a
+// chunk arrives whole, and a payload is assembled as it was sent.
+func TestRoundTrip(t *testing.T) {
+	big := strings.Repeat("x", 3*MaxChunk+17)
+	msgs := []Message{
+		&State{Source: "main", Healthy: true, Detail: "ok"},
+		&Credential{Name: "token", Value: []byte("s3cret")},
+	}
+	stream := append(encode(t, msgs...), payloadFrames(t, "app", "rev:7", map[string]string{"a": "1", "dir/b": big, "empty": ""})...)
+	d := NewDecoder(bytes.NewReader(stream))
+	for _, want := range msgs {
+		got, err := d.Decode()
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch w := want.(type) {
+		case *State:
+			if g, ok := got.(*State); !ok || *g != *w {
+				t.Errorf("got %+v; want %+v", got, w)
+			}
+		case *Credential:
+			if g, ok := got.(*Credential); !ok || g.Name != w.Name || !bytes.Equal(g.Value, w.Value) {
+				t.Errorf("got %+v; want %+v", got, w)
+			}
+		}
+	}
+	payloads, err := assemble(stream, testMounts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(payloads) != 1 {
+		t.Fatalf("%d payloads", len(payloads))
+	}
+	p := payloads[0]
+	if p.Mount != "app" || p.Revision != "rev:7" || len(p.Files) != 3 || string(p.Files["dir/b"].Data) != big ||
+		string(p.Files["a"].Data) != "1" || p.Files["a"].Mode != 0o644 || len(p.Files["empty"].Data) != 0 {
+		t.Errorf("payload %s %s with %d files", p.Mount, p.Revision, len(p.Files))
+	}
+}
+
+// frame returns one frame of type t with body, for what the encoder would
+// not write.
+func frame(t byte, body []byte) []byte {
+	hdr := binary.BigEndian.AppendUint32(nil, uint32(len(body)))
+	return append(append(hdr, t), body...)
+}
+
+// fileFrame is a File frame for any path, mode and size.
+func fileFrame(p string, mode uint32, size uint64) []byte {
+	b := binary.BigEndian.AppendUint16(nil, uint16(len(p)))
+	b = append(b, p...)
+	b = binary.BigEndian.AppendUint32(b, mode)
+	return frame(typeFile, binary.BigEndian.AppendUint64(b, size))
+}
+
+// TestHostileWorker: what a compromised worker may send is refused, with
+// an error that says why, and no payload comes of it.
+func TestHostileWorker(t *testing.T) {
+	begin := func(mount string, files uint32) []byte {
+		return encode(t, &Begin{Mount: mount, Revision: "r1", Files: files})
+	}
+	join := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	commit := encode(t, &Commit{})
+	// 10⁶ files, of which the mount's max_files (100) are announced.
+	many := begin("app", 100)
+	for i := range 1_000_000 {
+		many = append(many, fileFrame(fmt.Sprintf("f%d", i), 0o644, 0)...)
+	}
+	for _, tc := range []struct {
+		name   string
+		stream []byte
+		want   error
+		says   string
+	}{
+		{"../ path", join(begin("app", 1), fileFrame("../etc/passwd", 0o644, 0), commit), ErrRefused, `invalid path "../etc/passwd"`},
+		{"nested ../", join(begin("app", 1), fileFrame("a/../../x", 0o644, 0), commit), ErrRefused, "must not contain '..'"},
+		{"absolute path", join(begin("app", 1), fileFrame("/etc/cron.d/x", 0o644, 0), commit), ErrRefused, "must be a relative path"},
+		{"..data", join(begin("app", 1), fileFrame("..data", 0o644, 0), commit), ErrRefused, "must not start with '..'"},
+		{"unclean path", join(begin("app", 1), fileFrame("a//b", 0o644, 0), commit), ErrRefused, "is not clean"},
+		{"setuid mode", join(begin("app", 1), fileFrame("a", 0o4755, 0), commit), ErrRefused, "more than permission bits"},
+		{"10⁶ files announced", begin("app", 1_000_000), ErrRefused, "a payload of 1000000 files, more than max_files (100)"},
+		{"10⁶ files sent", many, ErrRefused, `file "f100" past the 100 announced`},
+		{"a file twice", join(begin("app", 2), fileFrame("f", 0o644, 0), fileFrame("f", 0o644, 0), commit), ErrRefused, "given twice"},
+		{"a file below a file", join(begin("app", 2), fileFrame("f", 0o644, 0), fileFrame("f/g", 0o644, 0), commit), ErrRefused, `below the file "f"`},
+		{"deep directories", join(begin("small", 1), fileFrame("a/b/c/d", 0o644, 0), commit), ErrRefused, "more than max_files (3)"},
+		{"a 2 GiB length", join(begin("app", 1), binary.BigEndian.AppendUint32(nil, 2<<30), []byte{typeData}), ErrMalformed, "a body of 2147483648 bytes"},
+		{"a 2 GiB file", join(begin("app", 1), fileFrame("f", 0o644, 2<<30)), ErrRefused, "exceeds max_value_size (1048576 bytes)"},
+		{"more bytes than announced", join(begin("small", 1), fileFrame("a", 0o644, 2), frame(typeData, []byte("abc"))), ErrRefused, "more bytes than the 2 announced"},
+		{"commit before the bytes", join(begin("small", 1), fileFrame("a", 0o644, 2), commit), ErrRefused, "committed before"},
+		{"fewer files than announced", join(begin("app", 2), fileFrame("a", 0o644, 0), commit), ErrRefused, "1 files of the 2 announced"},
+		{"an unknown mount", join(begin("root", 1), fileFrame("a", 0o644, 0), commit), ErrRefused, `mount "root", which the configuration does not have`},
+		{"a revision with controls", encode(t, &Begin{Mount: "app", Revision: "r\x1b[2J", Files: 0}), ErrRefused, "not printable ASCII"},
+		{"a payload in a payload", join(begin("app", 1), begin("app", 1)), ErrRefused, "begun before"},
+		{"bytes outside a file", frame(typeData, []byte("x")), ErrRefused, "outside a file"},
+		{"a truncated frame", join(begin("app", 1), fileFrame("a", 0o644, 5))[:30], ErrTruncated, "cut short"},
+		{"a truncated header", []byte{0, 0, 0}, ErrTruncated, "in a header"},
+		{"an unknown type", frame(99, nil), ErrMalformed, "unknown type 99"},
+		{"bytes left over", frame(typeCommit, []byte{1}), ErrMalformed, "at most 0"},
+		{"a string past its frame", frame(typeBegin, []byte{0, 200, 'a'}), ErrMalformed, "where 1 remain"},
+		{"a boolean of 2", frame(typeState, []byte{0, 0, 2, 0, 0}), ErrMalformed, "a boolean of 2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			payloads, err := assemble(tc.stream, testMounts)
+			if len(payloads) != 0 {
+				t.Errorf("payloads %v came of it", payloads)
+			}
+			if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), tc.says) {
+				t.Errorf("error %v; want %v saying %q", err, tc.want, tc.says)
+			}
+		})
+	}
+	// Past max_mount_size, counting the directory each file needs.
+	stream := payloadFrames(t, "small", "r", map[string]string{"d/a": "0123456789", "e": "x"})
+	if _, err := assemble(stream, map[string]MountLimits{"small": {MaxSize: 4096 + 10}}); !errors.Is(err, projector.ErrMountTooLarge) {
+		t.Errorf("a payload past max_mount_size: %v", err)
+	}
+}
+
+// TestAssemblerStartsAfresh: after a refusal, the next payload is taken
+// whole, with nothing of the refused one.
+func TestAssemblerStartsAfresh(t *testing.T) {
+	a := NewAssembler(testMounts)
+	if _, err := a.Add(&Begin{Mount: "app", Revision: "1", Files: 2}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Add(&File{Path: "kept-out", Mode: 0o644}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.Add(&File{Path: "../x", Mode: 0o644}); !errors.Is(err, ErrRefused) {
+		t.Fatalf("../x: %v", err)
+	}
+	for _, m := range []Message{&Begin{Mount: "app", Revision: "2", Files: 1}, &File{Path: "a", Mode: 0o600, Size: 1}, &Data{Bytes: []byte("z")}} {
+		if _, err := a.Add(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p, err := a.Add(&Commit{})
+	if err != nil || p == nil || len(p.Files) != 1 || string(p.Files["a"].Data) != "z" || p.Revision != "2" {
+		t.Fatalf("%+v, %v", p, err)
+	}
+}
+
+// FuzzDecode feeds any bytes to the decoder and an assembler: nothing
+// panics, and every payload that comes out keeps its mount's rules.
+func FuzzDecode(f *testing.F) {
+	f.Add(payloadFrames(f, "app", "r1", map[string]string{"a": "1", "d/b": "22"}))
+	f.Add(payloadFrames(f, "small", "r2", map[string]string{"x": "0123456789"}))
+	f.Add(encode(f, &State{Source: "s", Detail: "d"}, &Credential{Name: "n", Value: []byte("v")}))
+	f.Add(fileFrame("../x", 0o644, 1))
+	f.Fuzz(func(t *testing.T, stream []byte) {
+		payloads, _ := assemble(stream, testMounts)
+		for _, p := range payloads {
+			limits, ok := testMounts[p.Mount]
+			if !ok {
+				t.Fatalf("a payload for mount %q", p.Mount)
+			}
+			opts := projector.Options{MaxValueSize: limits.MaxValueSize, MaxSize: limits.MaxSize, MaxFiles: limits.MaxFiles}
+			if err := projector.CheckLimits(p.Mount, p.Files, opts); err != nil {
+				t.Fatal(err)
+			}
+			for name, file := range p.Files {
+				if clean, err := projector.CleanPath(name); err != nil || clean != name {
+					t.Fatalf("path %q: %v", name, err)
+				}
+				if int64(len(file.Data)) > limits.MaxValueSize || file.Mode&^0o777 != 0 {
+					t.Fatalf("file %q: %d bytes, mode %v", name, len(file.Data), file.Mode)
+				}
+			}
+		}
+	})
+}
