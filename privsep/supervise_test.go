@@ -1,0 +1,193 @@
+package privsep
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strconv"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvmount/kvmount/internal/roottest"
+	"github.com/kvmount/kvmount/internal/testlog"
+)
+
+// testSender is a worker of the supervisor's tests, doing what
+// KVMOUNT_TEST_MODE says on its socket to the monitor: "good" sends a
+// state and a payload (its revision the worker's PID) and exits; "hostile"
+// sends one, then a file at ../escape, then waits for ever; "linger" sends
+// one and waits for ever; "crash" exits 3 at once.
+func testSender() error {
+	mode := os.Getenv("KVMOUNT_TEST_MODE")
+	if mode == "crash" {
+		os.Exit(3)
+	}
+	conn := WorkerConn()
+	e := NewEncoder(conn)
+	pid := strconv.Itoa(os.Getpid())
+	msgs := []func() error{
+		func() error { return e.Encode(&State{Source: "main", Healthy: true}) },
+		func() error { return e.Encode(&Begin{Mount: "app", Revision: pid, Files: 1}) },
+		func() error { return e.EncodeFile("pid", 0o644, []byte(pid)) },
+		func() error { return e.Encode(&Commit{}) },
+	}
+	if mode == "hostile" {
+		msgs = append(msgs,
+			func() error { return e.Encode(&Begin{Mount: "app", Revision: pid, Files: 1}) },
+			func() error { return e.EncodeFile("../escape", 0o644, []byte("x")) })
+	}
+	for _, m := range msgs {
+		if err := m(); err != nil {
+			return err
+		}
+	}
+	if err := e.Flush(); err != nil {
+		return err
+	}
+	if mode == "good" {
+		return nil
+	}
+	select {} // until killed
+}
+
+// supervised runs a supervisor of test senders in mode, as a new
+// unprivileged user, until stop is called (or the test ends); it returns
+// the supervisor, its log and the payloads' revisions so far.
+func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer, revisions func() []string, stop func() error) {
+	t.Helper()
+	roottest.Require(t)
+	u := roottest.NewUser(t)
+	logs = &testlog.Buffer{}
+	var mu sync.Mutex
+	var revs []string
+	s = &Supervisor{
+		Command: func() *exec.Cmd {
+			cmd := u.Helper(t, "sender", "KVMOUNT_TEST_MODE="+mode)
+			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+			return cmd
+		},
+		Identity: Identity{UID: u.UID, GID: u.GID},
+		Mounts:   func() map[string]MountLimits { return testMounts },
+		OnPayload: func(p *Payload) {
+			mu.Lock()
+			defer mu.Unlock()
+			if string(p.Files["pid"].Data) != p.Revision {
+				t.Errorf("payload %s holds %q", p.Revision, p.Files["pid"].Data)
+			}
+			revs = append(revs, p.Revision)
+		},
+		Log: slog.New(slog.NewTextHandler(logs, nil)),
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx) }()
+	var once sync.Once
+	var runErr error
+	stop = func() error {
+		once.Do(func() { cancel(); runErr = <-done })
+		return runErr
+	}
+	t.Cleanup(func() { stop() })
+	revisions = func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), revs...)
+	}
+	return s, logs, revisions, stop
+}
+
+// waitFor waits until cond holds, for 30 s at most.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 30 s", what)
+		}
+	}
+}
+
+// alive reports whether process pid exists.
+func alive(pid string) bool {
+	n, _ := strconv.Atoi(pid)
+	return syscall.Kill(n, 0) == nil
+}
+
+// TestSupervisorRestartsTheWorker: a worker that ends is started again,
+// each one's payload delivered, and the restarts logged.
+func TestSupervisorRestartsTheWorker(t *testing.T) {
+	s, logs, revisions, stop := supervised(t, "good")
+	waitFor(t, "three workers' payloads", func() bool { return len(revisions()) >= 3 })
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run returned %v", err)
+	}
+	if s.Starts() < 3 || logs.Count("the worker ended; starting it again") < 2 {
+		t.Errorf("%d starts:\n%s", s.Starts(), logs)
+	}
+	seen := map[string]bool{}
+	for _, r := range revisions() {
+		seen[r] = true
+	}
+	if len(seen) < 3 {
+		t.Errorf("payloads of %d workers: %v", len(seen), revisions())
+	}
+}
+
+// TestSupervisorStopsAHostileWorker: a worker that sends a path out of its
+// mount is killed and started again; its payload before it is delivered,
+// and nothing of the refused one.
+func TestSupervisorStopsAHostileWorker(t *testing.T) {
+	s, logs, revisions, stop := supervised(t, "hostile")
+	waitFor(t, "a second worker", func() bool { return s.Starts() >= 2 && len(revisions()) >= 2 })
+	stop()
+	first := revisions()[0]
+	if alive(first) {
+		t.Errorf("the hostile worker %s still runs", first)
+	}
+	if s.Refusals() < 1 || logs.Count("the worker broke the protocol", `invalid path \"../escape\"`) < 1 {
+		t.Errorf("%d refusals:\n%s", s.Refusals(), logs)
+	}
+}
+
+// TestSupervisorStopsTheWorker: cancelling Run stops a worker that would
+// run for ever, within StopGrace.
+func TestSupervisorStopsTheWorker(t *testing.T) {
+	_, _, revisions, stop := supervised(t, "linger")
+	waitFor(t, "the payload", func() bool { return len(revisions()) == 1 })
+	began := time.Now()
+	if err := stop(); !errors.Is(err, context.Canceled) {
+		t.Errorf("Run returned %v", err)
+	}
+	if took := time.Since(began); took > StopGrace+drainTimeout+time.Second {
+		t.Errorf("stopping took %v", took)
+	}
+	if pid := revisions()[0]; alive(pid) {
+		t.Errorf("worker %s still runs", pid)
+	}
+}
+
+// TestSupervisorBacksOff: a worker that dies at once is started again
+// with backoff (0.5 s, then 1 s, then 2 s, ±20 %), not in a loop, and each
+// end is logged with its status.
+func TestSupervisorBacksOff(t *testing.T) {
+	s, logs, _, stop := supervised(t, "crash")
+	time.Sleep(3 * time.Second)
+	stop()
+	if n := s.Starts(); n < 2 || n > 4 {
+		t.Errorf("%d starts in 3 s; want 2 to 4:\n%s", n, logs)
+	}
+	if logs.Count("the worker ended", "exit status 3") < 1 {
+		t.Errorf("the crash is not logged:\n%s", logs)
+	}
+}
+
+// TestSupervisorRefusesRoot: a supervisor never runs a worker as root.
+func TestSupervisorRefusesRoot(t *testing.T) {
+	s := &Supervisor{Identity: Identity{UID: 0, GID: 0}, Log: slog.New(slog.DiscardHandler)}
+	if err := s.Run(context.Background()); err == nil || s.Starts() != 0 {
+		t.Errorf("Run as root: %v, %d starts", err, s.Starts())
+	}
+}
