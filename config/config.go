@@ -683,6 +683,13 @@ type PlainTCP interface {
 	PlainTCP() []string
 }
 
+// StoreURLs is implemented by source settings: it returns the URLs the
+// source connects to (etcd's endpoints, Consul's and Vault's address, the
+// HTTP source's URL), for the worker's Landlock policy (privsep.PolicyFor).
+type StoreURLs interface {
+	StoreURLs() []string
+}
+
 func lookupUser(name string) (int, error) {
 	u, err := user.Lookup(name)
 	if err != nil {

@@ -23,6 +23,11 @@ type Policy struct {
 	// SendUDP are the UDP ports it may send to (53, for DNS), where the
 	// kernel's Landlock controls UDP.
 	SendUDP []uint16
+	// UnixSockets are the unix sockets it may connect to (etcd's
+	// unix:// endpoints), where the kernel's Landlock controls that
+	// (LANDLOCK_ACCESS_FS_RESOLVE_UNIX); before, any pathname socket the
+	// worker's user may reach.
+	UnixSockets []string
 }
 
 // Confinement tells what Confine applied, for kvmount check and /status.
@@ -55,6 +60,9 @@ func Confine(p Policy) (Confinement, error) {
 	rules := []landlock.Rule{
 		landlock.ROFiles(p.ReadFiles...).IgnoreIfMissing(),
 		landlock.RODirs(p.ReadDirs...).IgnoreIfMissing(),
+	}
+	if len(p.UnixSockets) > 0 {
+		rules = append(rules, landlock.ROFiles(p.UnixSockets...).WithResolveUnix().IgnoreIfMissing())
 	}
 	for _, port := range p.ConnectTCP {
 		rules = append(rules, landlock.ConnectTCP(port))

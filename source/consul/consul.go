@@ -93,6 +93,11 @@ func (c *Config) PlainTCP() []string {
 	return []string{c.Address}
 }
 
+// StoreURLs returns the URLs the source connects to (config.StoreURLs).
+func (c *Config) StoreURLs() []string {
+	return []string{c.Address}
+}
+
 // Kind returns the Consul source kind for the registry.
 func Kind() source.Kind {
 	return source.Kind{Name: "consul", Decode: Decode, Open: open}

@@ -16,6 +16,7 @@ import (
 	"maps"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -107,6 +108,11 @@ func (c *Config) PlainTCP() []string {
 		}
 	}
 	return out
+}
+
+// StoreURLs returns the URLs the source connects to (config.StoreURLs).
+func (c *Config) StoreURLs() []string {
+	return slices.Clone(c.Endpoints)
 }
 
 // Kind returns the etcd source kind for the registry.

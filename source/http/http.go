@@ -79,6 +79,11 @@ func (c *Config) PlainTCP() []string {
 	return nil
 }
 
+// StoreURLs returns the URLs the source connects to (config.StoreURLs).
+func (c *Config) StoreURLs() []string {
+	return []string{c.URL}
+}
+
 // Kind returns the HTTP source kind for the registry.
 func Kind() source.Kind {
 	return source.Kind{Name: "http", Decode: Decode, Open: open}

@@ -98,6 +98,11 @@ func (c *Config) PlainTCP() []string {
 	return nil
 }
 
+// StoreURLs returns the URLs the source connects to (config.StoreURLs).
+func (c *Config) StoreURLs() []string {
+	return []string{c.Address}
+}
+
 // Kind returns the Vault source kind for the registry.
 func Kind() source.Kind {
 	return source.Kind{Name: "vault", Decode: Decode, Open: open}
