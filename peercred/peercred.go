@@ -1,8 +1,8 @@
 // Package peercred tells which local user is at the other end of a
 // connection: the user of the process that listens, for a client, or that
 // connected, for a server. On a unix socket the kernel says it
-// (SO_PEERCRED); on TCP over loopback, /proc/net/tcp and tcp6 name the
-// owner of the peer's socket. kvmount uses it to refuse a store that a
+// (SO_PEERCRED); on TCP over loopback, the kernel's socket diagnostics
+// (else /proc/net/tcp and tcp6) name the owner of the peer's socket. kvmount uses it to refuse a store that a
 // local user put on a port the real one left free (a source's peer_user),
 // and to give each local user a quota of the admin endpoint's connections.
 package peercred
@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
@@ -39,8 +40,9 @@ func Check(c net.Conn, uid int) error {
 
 // UID returns the uid of the local process at the other end of c: from
 // SO_PEERCRED on a unix socket; on TCP over loopback, the owner of the
-// peer's socket in /proc/net/tcp or tcp6 (the entry whose local address is
-// c's remote one, and the other way round). -1 when it cannot be found.
+// peer's socket — the one whose local address is c's remote one, and the
+// other way round — as NETLINK_INET_DIAG reports it, else as /proc/net/tcp
+// or tcp6 lists it. -1 when it cannot be found.
 func UID(c net.Conn) int {
 	switch c := c.(type) {
 	case *net.UnixConn:
@@ -60,6 +62,13 @@ func UID(c net.Conn) int {
 		remote, ok2 := c.RemoteAddr().(*net.TCPAddr)
 		if !ok1 || !ok2 {
 			return -1
+		}
+		// The kernel's socket diagnostics (NETLINK_INET_DIAG, through
+		// github.com/vishvananda/netlink) find the one socket by its
+		// addresses; /proc/net lists them all, which a user who opens
+		// hundreds of connections makes costly for each.
+		if sock, err := netlink.SocketGet(remote, local); err == nil && sock != nil {
+			return int(sock.UID)
 		}
 		for _, table := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
 			if uid := socketOwner(table, remote, local); uid >= 0 {
