@@ -9,14 +9,10 @@ package etcd
 import (
 	"bytes"
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
-	"net"
-	"net/url"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,13 +23,8 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
-	"google.golang.org/grpc"
-	grpcbackoff "google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/connectivity"
 
-	"github.com/kvmount/kvmount/config"
-	"github.com/kvmount/kvmount/peercred"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -72,90 +63,9 @@ const (
 	Poll  = "poll"
 )
 
-// Config is a decoded [sources.NAME] table of type "etcd".
-type Config struct {
-	// Endpoints are client URLs: http://, https://, unix:// or unixs://.
-	Endpoints []string
-	// DialTimeout bounds connecting and authenticating.
-	DialTimeout time.Duration
-	// Username and Password authenticate; Password is read from
-	// password_file.
-	Username string
-	Password config.Secret
-	// TLS configures https:// endpoints.
-	TLS config.TLS
-	// ChangeDetection is Watch or Poll.
-	ChangeDetection string
-	// PollInterval is the period of Poll.
-	PollInterval time.Duration
-	// PeerUID, when ≥ 0, is the user etcd must run as (peer_user): every
-	// connection, over a unix socket or TCP on loopback, is checked
-	// (peercred), so that a local user who takes etcd's port while it is
-	// down feeds nothing. -1 checks nothing.
-	PeerUID int
-}
-
-// PlainTCP returns the endpoints reached over plain TCP without a
-// peer_user check (config.PlainTCP).
-func (c *Config) PlainTCP() []string {
-	if c.PeerUID >= 0 {
-		return nil
-	}
-	var out []string
-	for _, ep := range c.Endpoints {
-		if strings.HasPrefix(ep, "http://") {
-			out = append(out, ep)
-		}
-	}
-	return out
-}
-
-// StoreURLs returns the URLs the source connects to (config.StoreURLs).
-func (c *Config) StoreURLs() []string {
-	return slices.Clone(c.Endpoints)
-}
-
 // Kind returns the etcd source kind for the registry.
 func Kind() source.Kind {
 	return source.Kind{Name: "etcd", Decode: Decode, Open: open}
-}
-
-// Decode reads a [sources.NAME] table of type "etcd", reporting problems
-// through sec. It returns a *Config.
-func Decode(sec *config.Section) any {
-	c := &Config{
-		Endpoints:       sec.Strings("endpoints"),
-		DialTimeout:     sec.Duration("dial_timeout", DefaultDialTimeout),
-		Username:        sec.String("username", ""),
-		Password:        sec.SecretFile("password_file"),
-		TLS:             sec.TLS("tls"),
-		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
-		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
-		PeerUID:         sec.UserID("peer_user"),
-	}
-	if !sec.Has("endpoints") {
-		c.Endpoints = []string{DefaultEndpoint}
-	} else if len(c.Endpoints) == 0 {
-		sec.Errorf("endpoints", "needs at least one endpoint")
-	}
-	for _, ep := range c.Endpoints {
-		u, err := url.Parse(ep)
-		switch {
-		case err != nil:
-			sec.Errorf("endpoints", "%q: want a URL with scheme http, https, unix or unixs, such as %q", ep, DefaultEndpoint)
-		case u.Scheme != "http" && u.Scheme != "https" && u.Scheme != "unix" && u.Scheme != "unixs":
-			sec.Errorf("endpoints", "%q: want a URL with scheme http, https, unix or unixs", ep)
-		case u.Host == "" && u.Path == "":
-			sec.Errorf("endpoints", "%q has no host", ep)
-		}
-	}
-	if (c.Username == "") != c.Password.IsZero() {
-		sec.Errorf("username", "username and password_file go together")
-	}
-	for _, ep := range c.Endpoints {
-		sec.WarnURLCredentials("endpoints", ep, c.Username != "")
-	}
-	return c
 }
 
 func open(name string, settings any, env source.Env) (source.Source, error) {
@@ -206,91 +116,6 @@ func (s *Source) Close() error {
 		return fmt.Errorf("source/etcd: close: %w", err)
 	}
 	return nil
-}
-
-// connect returns the shared client and the monitor of its connection,
-// creating them on first use. With a username, creating the client
-// authenticates, which needs etcd up.
-func (s *Source) connect() (*clientv3.Client, *monitor, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.client != nil {
-		return s.client, s.monitor, nil
-	}
-	cc := clientv3.Config{
-		Endpoints:            s.cfg.Endpoints,
-		DialTimeout:          s.cfg.DialTimeout,
-		DialKeepAliveTime:    keepAliveTime,
-		DialKeepAliveTimeout: keepAliveTimeout,
-		Username:             s.cfg.Username,
-		Password:             s.cfg.Password.Reveal(),
-		Logger:               zap.NewNop(),
-		MaxCallRecvMsgSize:   maxRecvMsgSize,
-		// Reconnect after an outage on kvmount's retry schedule rather
-		// than gRPC's default, which backs off to two minutes.
-		DialOptions: []grpc.DialOption{grpc.WithConnectParams(grpc.ConnectParams{
-			Backoff: grpcbackoff.Config{
-				BaseDelay:  source.RetryMin,
-				Multiplier: 1.6,
-				Jitter:     0.2,
-				MaxDelay:   source.RetryMax,
-			},
-			MinConnectTimeout: s.cfg.DialTimeout,
-		})},
-	}
-	if s.cfg.PeerUID >= 0 {
-		cc.DialOptions = append(cc.DialOptions, grpc.WithContextDialer(peerDialer(s.cfg.PeerUID, &s.refused)))
-	}
-	if s.cfg.TLS.Enabled() {
-		tc, err := s.cfg.TLS.Config()
-		if err != nil {
-			return nil, nil, fmt.Errorf("source/etcd: %w", err)
-		}
-		cc.TLS = tc
-	} else if usesTLS(s.cfg.Endpoints) {
-		cc.TLS = &tls.Config{MinVersion: tls.VersionTLS12}
-	}
-	cli, err := clientv3.New(cc)
-	if err != nil {
-		return nil, nil, fmt.Errorf("source/etcd: connect %s: %w", strings.Join(s.cfg.Endpoints, ","), err)
-	}
-	s.client, s.monitor = cli, startMonitor(cli, s.cfg.Endpoints, s.log)
-	return cli, s.monitor, nil
-}
-
-// peerDialer returns a dialer of etcd endpoints — "unix:" or "unix://"
-// paths, host:port on TCP — that hands on only connections whose other
-// end runs as uid (peercred.Check), and keeps the last refusal in refused
-// (nil after a connection passes).
-func peerDialer(uid int, refused *atomic.Pointer[error]) func(ctx context.Context, addr string) (net.Conn, error) {
-	return func(ctx context.Context, addr string) (net.Conn, error) {
-		network, address := "tcp", addr
-		if rest, ok := strings.CutPrefix(addr, "unix:"); ok {
-			network, address = "unix", strings.TrimPrefix(rest, "//")
-		}
-		var d net.Dialer
-		c, err := d.DialContext(ctx, network, address)
-		if err != nil {
-			return nil, err
-		}
-		if err := peercred.Check(c, uid); err != nil {
-			c.Close()
-			err = fmt.Errorf("%s: %w", addr, err)
-			refused.Store(&err)
-			return nil, err
-		}
-		refused.Store(nil)
-		return c, nil
-	}
-}
-
-func usesTLS(endpoints []string) bool {
-	for _, ep := range endpoints {
-		if strings.HasPrefix(ep, "https://") || strings.HasPrefix(ep, "unixs://") {
-			return true
-		}
-	}
-	return false
 }
 
 // testHookAfterList, when set by a test, runs between a read and the watch
