@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvmount/kvmount/internal/consultest"
+	"github.com/kvmount/kvmount/internal/testbin"
 	"github.com/kvmount/kvmount/internal/vaulttest"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/consul"
@@ -21,23 +22,7 @@ import (
 // is skipped — or fails when CI=true.
 func consulTemplateBinary(t testing.TB) string {
 	t.Helper()
-	if bin := os.Getenv("KVMOUNT_CONSUL_TEMPLATE"); bin != "" {
-		return bin
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache")
-	}
-	bin := filepath.Join(cache, "kvmount", "consul-template-v0.42.1", "consul-template")
-	if _, err := os.Stat(bin); err == nil {
-		return bin
-	}
-	if os.Getenv("CI") == "true" {
-		t.Fatal("no consul-template: run scripts/consul-template.sh (make test does) or set KVMOUNT_CONSUL_TEMPLATE")
-	}
-	t.Skip("no consul-template: run scripts/consul-template.sh or set KVMOUNT_CONSUL_TEMPLATE")
-	return ""
+	return testbin.Binary{What: "consul-template", Env: "KVMOUNT_CONSUL_TEMPLATE", Dir: "consul-template-v0.42.1", Name: "consul-template", Script: "scripts/consul-template.sh"}.Find(t)
 }
 
 // parityKeys is the Consul data set both tools render: services,

@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/hashicorp/consul/api"
 
+	"github.com/kvmount/kvmount/internal/testbin"
 	"github.com/kvmount/kvmount/internal/testlog"
 )
 
@@ -31,26 +31,13 @@ const Delete = "<delete>"
 // agent must never pass unnoticed.
 func Binary(tb testing.TB) string {
 	tb.Helper()
-	if bin := os.Getenv("KVMOUNT_CONSUL"); bin != "" {
-		return bin
+	b := testbin.Binary{What: "Consul agent", Env: "KVMOUNT_CONSUL", Dir: "consul-v1.20.1", Name: "consul", Script: "scripts/consul-agent.sh"}
+	if os.Getenv(b.Env) == "" {
+		if bin, err := exec.LookPath("consul"); err == nil {
+			return bin
+		}
 	}
-	if bin, err := exec.LookPath("consul"); err == nil {
-		return bin
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache")
-	}
-	bin := filepath.Join(cache, "kvmount", "consul-v1.20.1", "consul")
-	if _, err := os.Stat(bin); err == nil {
-		return bin
-	}
-	if os.Getenv("CI") == "true" {
-		tb.Fatal("no Consul agent: run scripts/consul-agent.sh (make test does) or set KVMOUNT_CONSUL")
-	}
-	tb.Skip("no Consul agent: run scripts/consul-agent.sh or set KVMOUNT_CONSUL")
-	return ""
+	return b.Find(tb)
 }
 
 // Agent is one consul agent -dev process with fixed ports, so that it can

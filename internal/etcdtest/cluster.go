@@ -14,6 +14,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+
+	"github.com/kvmount/kvmount/internal/testbin"
 )
 
 // Binary returns the etcd server binary that multi-member tests run as
@@ -23,29 +25,16 @@ import (
 // unnoticed.
 func Binary(tb testing.TB) string {
 	tb.Helper()
-	if bin := os.Getenv("KVMOUNT_ETCD"); bin != "" {
-		return bin
+	b := testbin.Binary{What: "etcd server binary", Env: "KVMOUNT_ETCD", Name: "etcd", Script: "scripts/etcd-server.sh"}
+	if os.Getenv(b.Env) == "" {
+		// The version in go.mod, as scripts/etcd-server.sh names its cache.
+		out, err := exec.Command("go", "list", "-m", "-f", "{{.Version}}", "go.etcd.io/etcd/server/v3").Output()
+		if err != nil {
+			tb.Fatalf("go list -m go.etcd.io/etcd/server/v3: %v", err)
+		}
+		b.Dir = "etcd-" + strings.TrimSpace(string(out))
 	}
-	// The version in go.mod, as scripts/etcd-server.sh names its cache.
-	out, err := exec.Command("go", "list", "-m", "-f", "{{.Version}}", "go.etcd.io/etcd/server/v3").Output()
-	if err != nil {
-		tb.Fatalf("go list -m go.etcd.io/etcd/server/v3: %v", err)
-	}
-	version := strings.TrimSpace(string(out))
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache")
-	}
-	bin := filepath.Join(cache, "kvmount", "etcd-"+version, "etcd")
-	if _, err := os.Stat(bin); err == nil {
-		return bin
-	}
-	if os.Getenv("CI") == "true" {
-		tb.Fatal("no etcd server binary: run scripts/etcd-server.sh (make test does) or set KVMOUNT_ETCD")
-	}
-	tb.Skip("no etcd server binary: run scripts/etcd-server.sh or set KVMOUNT_ETCD")
-	return ""
+	return b.Find(tb)
 }
 
 // Member is one member of a Cluster: an etcd process of its own.

@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/hashicorp/vault/api"
 
+	"github.com/kvmount/kvmount/internal/testbin"
 	"github.com/kvmount/kvmount/internal/testlog"
 )
 
@@ -37,23 +37,7 @@ const startTimeout = 60 * time.Second
 // unnoticed.
 func Binary(tb testing.TB) string {
 	tb.Helper()
-	if bin := os.Getenv("KVMOUNT_VAULT"); bin != "" {
-		return bin
-	}
-	cache := os.Getenv("XDG_CACHE_HOME")
-	if cache == "" {
-		home, _ := os.UserHomeDir()
-		cache = filepath.Join(home, ".cache")
-	}
-	bin := filepath.Join(cache, "kvmount", "vault-"+Version, "vault")
-	if _, err := os.Stat(bin); err == nil {
-		return bin
-	}
-	if os.Getenv("CI") == "true" {
-		tb.Fatal("no Vault server: run scripts/vault-server.sh (make test does) or set KVMOUNT_VAULT")
-	}
-	tb.Skip("no Vault server: run scripts/vault-server.sh or set KVMOUNT_VAULT")
-	return ""
+	return testbin.Binary{What: "Vault server", Env: "KVMOUNT_VAULT", Dir: "vault-" + Version, Name: "vault", Script: "scripts/vault-server.sh"}.Find(tb)
 }
 
 // Server is one vault server -dev process on a fixed port, so that it can
