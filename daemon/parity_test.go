@@ -6,12 +6,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/testbin"
 	"github.com/kvmount/kvmount/internal/vaulttest"
+	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/vault"
@@ -111,24 +113,7 @@ func TestConsulTemplateParity(t *testing.T) {
 	agent := consultest.Start(t)
 	consultest.Txn(t, agent.Client(), parityKeys...)
 	dir := t.TempDir()
-	var ctArgs []string
-	var kvTemplates strings.Builder
-	for name, text := range parityTemplates {
-		in := filepath.Join(dir, name+".tmpl")
-		if err := os.WriteFile(in, []byte(text), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		ctArgs = append(ctArgs, "-template", in+":"+filepath.Join(dir, "ct", name))
-		fmt.Fprintf(&kvTemplates, "  [[mount.templates]]\n  path = %q\n  file = %q\n", name, in)
-	}
-	// consul-template, once, reading the agent (no environment of ours).
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ct, append([]string{"-consul-addr", agent.Addr(), "-once", "-log-level", "err"}, ctArgs...)...)
-	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + dir}
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("consul-template: %v\n%s", err, out)
-	}
+	kvTemplates := renderWithConsulTemplate(t, ct, dir, parityTemplates, "-consul-addr", agent.Addr())
 	// kvmount render of one mount holding every template.
 	cfg := filepath.Join(dir, "kvmount.toml")
 	if err := os.WriteFile(cfg, []byte(fmt.Sprintf(`state_dir = %q
@@ -142,23 +127,14 @@ dir = %q
 source = "c"
 prefix = ""
 keys_as_files = false
-%s`, filepath.Join(dir, "state"), agent.URL(), filepath.Join(dir, "mnt"), kvTemplates.String())), 0o644); err != nil {
+%s`, filepath.Join(dir, "state"), agent.URL(), filepath.Join(dir, "mnt"), kvTemplates)), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	payload, err := Render(context.Background(), Options{ConfigPath: cfg, Registry: source.NewRegistry(consul.Kind()), LogOutput: os.Stderr}, "m", waitTimeout)
 	if err != nil {
 		t.Fatalf("kvmount render: %v", err)
 	}
-	for name := range parityTemplates {
-		want, err := os.ReadFile(filepath.Join(dir, "ct", name))
-		if err != nil {
-			t.Fatalf("%s: consul-template rendered nothing: %v", name, err)
-		}
-		if got := string(payload[name].Data); got != string(want) {
-			t.Errorf("%s: kvmount rendered\n%q\nconsul-template\n%q", name, got, want)
-		}
-	}
-	t.Logf("%d templates rendered the same bytes in consul-template v0.42.1 and kvmount", len(parityTemplates))
+	compareRenders(t, dir, payload, parityTemplates)
 
 }
 
@@ -191,24 +167,8 @@ func TestConsulTemplateVaultParity(t *testing.T) {
 	srv.Write(t, "sys/mounts/kv1", map[string]any{"type": "kv", "options": map[string]any{"version": "1"}})
 	srv.Write(t, "kv1/app/api", map[string]any{"key": "k-123"})
 	dir := t.TempDir()
-	var ctArgs []string
-	var kvTemplates strings.Builder
-	for name, text := range parityVaultTemplates {
-		in := filepath.Join(dir, name+".tmpl")
-		if err := os.WriteFile(in, []byte(text), 0o644); err != nil {
-			t.Fatal(err)
-		}
-		ctArgs = append(ctArgs, "-template", in+":"+filepath.Join(dir, "ct", name))
-		fmt.Fprintf(&kvTemplates, "  [[mount.templates]]\n  path = %q\n  file = %q\n", name, in)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, ct, append([]string{"-vault-addr", srv.URL(), "-vault-token", vaulttest.RootToken,
-		"-vault-renew-token=false", "-once", "-log-level", "err"}, ctArgs...)...)
-	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + dir}
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("consul-template: %v\n%s", err, out)
-	}
+	kvTemplates := renderWithConsulTemplate(t, ct, dir, parityVaultTemplates,
+		"-vault-addr", srv.URL(), "-vault-token", vaulttest.RootToken, "-vault-renew-token=false")
 	token := filepath.Join(dir, "token")
 	if err := os.WriteFile(token, []byte(vaulttest.RootToken), 0o600); err != nil {
 		t.Fatal(err)
@@ -234,14 +194,48 @@ keys_as_files = false
   source = "v"
   prefix = "kv1/app/api"
 
-%s`, filepath.Join(dir, "state"), srv.URL(), token, filepath.Join(dir, "mnt"), kvTemplates.String())), 0o644); err != nil {
+%s`, filepath.Join(dir, "state"), srv.URL(), token, filepath.Join(dir, "mnt"), kvTemplates)), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	payload, err := Render(context.Background(), Options{ConfigPath: cfg, Registry: source.NewRegistry(vault.Kind()), LogOutput: os.Stderr}, "m", waitTimeout)
 	if err != nil {
 		t.Fatalf("kvmount render: %v", err)
 	}
-	for name := range parityVaultTemplates {
+	compareRenders(t, dir, payload, parityVaultTemplates)
+}
+
+// renderWithConsulTemplate writes templates (name → text) into dir and
+// renders them once with consul-template ct, given the flags that name its
+// server, with no environment of ours, into dir/ct/NAME; it returns the
+// [[mount.templates]] tables of a kvmount mount that renders the same
+// files.
+func renderWithConsulTemplate(t *testing.T, ct, dir string, templates map[string]string, serverFlags ...string) string {
+	t.Helper()
+	args := append(slices.Clone(serverFlags), "-once", "-log-level", "err")
+	var tables strings.Builder
+	for name, text := range templates {
+		in := filepath.Join(dir, name+".tmpl")
+		if err := os.WriteFile(in, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		args = append(args, "-template", in+":"+filepath.Join(dir, "ct", name))
+		fmt.Fprintf(&tables, "  [[mount.templates]]\n  path = %q\n  file = %q\n", name, in)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, ct, args...)
+	cmd.Env = []string{"PATH=/usr/bin:/bin", "HOME=" + dir}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("consul-template: %v\n%s", err, out)
+	}
+	return tables.String()
+}
+
+// compareRenders requires kvmount's payload to hold, for every template,
+// the bytes consul-template rendered into dir/ct/NAME.
+func compareRenders(t *testing.T, dir string, payload projector.Payload, templates map[string]string) {
+	t.Helper()
+	for name := range templates {
 		want, err := os.ReadFile(filepath.Join(dir, "ct", name))
 		if err != nil {
 			t.Fatalf("%s: consul-template rendered nothing: %v", name, err)
@@ -250,5 +244,5 @@ keys_as_files = false
 			t.Errorf("%s: kvmount rendered\n%q\nconsul-template\n%q", name, got, want)
 		}
 	}
-	t.Logf("%d Vault templates rendered the same bytes in consul-template v0.42.1 and kvmount", len(parityVaultTemplates))
+	t.Logf("%d templates rendered the same bytes in consul-template v0.42.1 and kvmount", len(templates))
 }
