@@ -147,10 +147,6 @@ func (a *Assembler) add(m Message) (*Payload, error) {
 	return nil, fmt.Errorf("message %T is not part of a payload", m)
 }
 
-// dirCost is what a directory counts against MaxSize, in bytes, as
-// projector.CheckLimits counts it.
-const dirCost = 4096
-
 // addFile checks the file m announces against b's rules and limits and
 // makes it the current one.
 func (b *building) addFile(m *File) error {
@@ -181,7 +177,7 @@ func (b *building) addFile(m *File) error {
 	if b.limits.MaxFiles > 0 && entries > b.limits.MaxFiles {
 		return fmt.Errorf("mount %q: file %q makes %d files and directories, more than %w (%d)", b.Mount, m.Path, entries, projector.ErrTooManyFiles, b.limits.MaxFiles)
 	}
-	size := b.bytes + int64(len(newDirs))*dirCost
+	size := b.bytes + int64(len(newDirs))*projector.DirectoryCost()
 	if b.limits.MaxSize > 0 && (m.Size > uint64(b.limits.MaxSize) || size+int64(m.Size) > b.limits.MaxSize) {
 		return fmt.Errorf("mount %q: file %q takes the payload past %w (%d bytes)", b.Mount, m.Path, projector.ErrMountTooLarge, b.limits.MaxSize)
 	}

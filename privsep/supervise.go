@@ -51,7 +51,10 @@ type Supervisor struct {
 	// reads the worker.
 	OnPayload func(*Payload)
 	OnState   func(*State)
-	// Log receives the worker's starts, ends and refusals.
+	// Log receives the worker's starts, ends and refusals. A refusal's
+	// error quotes what the worker sent (a path, a mount's name): Log's
+	// handler must escape outside text, as the daemon's does
+	// (untrusted.Escape).
 	Log *slog.Logger
 
 	starts, refusals atomic.Uint64

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+
+	"github.com/kvmount/kvmount/projector"
 )
 
 // The wire protocol between the worker and the monitor, over a stream
@@ -34,8 +36,9 @@ const (
 	// MaxRevisionLen bounds a revision, in bytes (source.BoundRevision
 	// keeps revisions within 128).
 	MaxRevisionLen = 128
-	// MaxPathLen bounds a file's path, in bytes (the kubelet's 4096).
-	MaxPathLen = 4096
+	// MaxPathLen bounds a file's path, in bytes (the kubelet's,
+	// projector.MaxPathLength).
+	MaxPathLen = projector.MaxPathLength
 	// MaxDetailLen bounds a State's detail, in bytes.
 	MaxDetailLen = 4096
 	// MaxCredentialLen bounds a Credential's value, in bytes (credential
@@ -213,8 +216,8 @@ type Decoder struct {
 // NewDecoder returns a decoder reading from r.
 func NewDecoder(r io.Reader) *Decoder { return &Decoder{r: bufio.NewReader(r)} }
 
-// maxBody returns the largest body a frame of type t may have, 0 for an
-// unknown type.
+// maxBody returns the largest body a frame of type t may have, in bytes;
+// -1 for an unknown type.
 func maxBody(t byte) int {
 	switch t {
 	case typeBegin:

@@ -198,7 +198,7 @@ func TestHostileWorker(t *testing.T) {
 	}
 	// Past max_mount_size, counting the directory each file needs.
 	stream := payloadFrames(t, "small", "r", map[string]string{"d/a": "0123456789", "e": "x"})
-	if _, err := assemble(stream, map[string]MountLimits{"small": {MaxSize: 4096 + 10}}); !errors.Is(err, projector.ErrMountTooLarge) {
+	if _, err := assemble(stream, map[string]MountLimits{"small": {MaxSize: projector.DirectoryCost() + 10}}); !errors.Is(err, projector.ErrMountTooLarge) {
 		t.Errorf("a payload past max_mount_size: %v", err)
 	}
 }

@@ -45,6 +45,11 @@ var ErrDirKept = errors.New("mount directory kept")
 // pageSize is the unit in which tmpfs allocates file data, in bytes.
 var pageSize = int64(os.Getpagesize())
 
+// DirectoryCost returns what a directory counts against max_mount_size
+// (CheckLimits), in bytes: a page (os.Getpagesize), which it takes on
+// tmpfs, as a block does on disk.
+func DirectoryCost() int64 { return pageSize }
+
 // TmpfsSize returns the size, in bytes, of the tmpfs of a mount whose
 // payload may take sizeLimit bytes: three times sizeLimit — the current
 // version, the version being built (every file changed) and a replaced
