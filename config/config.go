@@ -69,6 +69,8 @@ const (
 type Config struct {
 	// Path is the file it was read from.
 	Path string
+	// Text is the file's content as read: what the worker parses again.
+	Text []byte
 	// StateDir holds kvmount's record of the mounts it owns.
 	StateDir string
 	// LogLevel is the lowest level logged.
@@ -215,15 +217,27 @@ type SourceDecoder func(sec *Section) any
 // source type to its decoder. Problems in the file are returned together as
 // an ErrorList.
 func Load(path string, kinds map[string]SourceDecoder) (*Config, error) {
+	return LoadWith(path, kinds, Disk{})
+}
+
+// LoadWith is Load reading the files the configuration names (credential,
+// TLS and template files) through files, such as a Recorder.
+func LoadWith(path string, kinds map[string]SourceDecoder, files Files) (*Config, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
-	return Parse(path, data, kinds)
+	return ParseWith(path, data, kinds, files)
 }
 
 // Parse is Load for a file already read; name is used in errors.
 func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, error) {
+	return ParseWith(name, data, kinds, Disk{})
+}
+
+// ParseWith is Parse reading the files the configuration names through
+// files, such as a Replay of what the monitor read.
+func ParseWith(name string, data []byte, kinds map[string]SourceDecoder, files Files) (*Config, error) {
 	var raw map[string]any
 	if _, err := toml.Decode(string(data), &raw); err != nil {
 		var perr toml.ParseError
@@ -233,9 +247,9 @@ func Parse(name string, data []byte, kinds map[string]SourceDecoder) (*Config, e
 		return nil, ErrorList{{File: name, Msg: err.Error()}}
 	}
 	lines, complete := locateKeys(string(data))
-	doc := &document{file: name, src: string(data), lines: lines, complete: complete}
+	doc := &document{file: name, src: string(data), lines: lines, complete: complete, files: files}
 	top := newSection(doc, nil, "", raw)
-	cfg := &Config{Path: name, Sources: map[string]*Source{}}
+	cfg := &Config{Path: name, Text: data, Sources: map[string]*Source{}}
 	cfg.StateDir = top.String("state_dir", DefaultStateDir)
 	if !filepath.IsAbs(cfg.StateDir) {
 		top.Errorf("state_dir", "%q is not an absolute path", cfg.StateDir)

@@ -2,13 +2,8 @@ package config
 
 import (
 	"fmt"
-	"io"
 	"log/slog"
 	"strings"
-
-	"golang.org/x/sys/unix"
-
-	"github.com/kvmount/kvmount/fsutil"
 )
 
 // Secret is a credential read from a file (a password, a token, a header
@@ -50,7 +45,7 @@ func (s *Section) SecretFile(key string) Secret {
 	if name == "" {
 		return Secret{}
 	}
-	data, st, err := readBounded(name, secretFileLimit)
+	data, st, err := s.doc.files.Read(name, secretFileLimit)
 	if err != nil {
 		s.Errorf(key, "%v", err)
 		return Secret{}
@@ -75,7 +70,12 @@ func (s *Section) SecretFile(key string) Secret {
 // an unreadable, empty, too large or non-regular file; the error names the
 // file, never its content.
 func ReadSecretFile(name string) (Secret, error) {
-	data, _, err := readBounded(name, secretFileLimit)
+	return ReadSecretFileFrom(Disk{}, name)
+}
+
+// ReadSecretFileFrom is ReadSecretFile reading through files.
+func ReadSecretFileFrom(files Files, name string) (Secret, error) {
+	data, _, err := files.Read(name, secretFileLimit)
 	if err != nil {
 		return Secret{}, err
 	}
@@ -92,31 +92,6 @@ func readers(mode uint32) string {
 		return "every user"
 	}
 	return "its group"
-}
-
-// readBounded reads the regular file name, opened without following a
-// symlink in any component, up to limit bytes; a larger file is an error.
-func readBounded(name string, limit int64) ([]byte, *unix.Stat_t, error) {
-	f, err := fsutil.OpenNoFollow(name, unix.O_RDONLY|unix.O_NONBLOCK)
-	if err != nil {
-		return nil, nil, err
-	}
-	defer f.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, nil, err
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
-		return nil, nil, fmt.Errorf("%s is not a regular file", name)
-	}
-	data, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err != nil {
-		return nil, nil, err
-	}
-	if int64(len(data)) > limit {
-		return nil, nil, fmt.Errorf("%s is larger than %d bytes", name, limit)
-	}
-	return data, &st, nil
 }
 
 // SecretFileMap reads the table at key, such as header_files = {

@@ -17,6 +17,7 @@ type document struct {
 	src      string
 	lines    keyLines
 	complete bool // the locator read the whole file
+	files    Files
 	errs     ErrorList
 	warnings ErrorList
 }

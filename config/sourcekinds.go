@@ -59,3 +59,12 @@ type PlainTCP interface {
 type StoreURLs interface {
 	StoreURLs() []string
 }
+
+// RereadFiles is implemented by source settings that read credential
+// files again while the source runs (a Vault token_file a vault-agent
+// sink rotates, AppRole's role_id_file and secret_id_file): it returns
+// them. These, and no other file, are what a worker may ask the monitor
+// to read for it (privsep).
+type RereadFiles interface {
+	RereadFiles() []string
+}

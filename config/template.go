@@ -77,7 +77,7 @@ func decodeTemplate(sec *Section) *projector.Template {
 	}
 	origin := file
 	if file != "" {
-		data, _, err := readBounded(file, templateFileLimit)
+		data, _, err := sec.doc.files.Read(file, templateFileLimit)
 		if err != nil {
 			sec.Errorf("file", "%v", err)
 			return nil

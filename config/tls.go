@@ -81,7 +81,7 @@ func (s *Section) pemFile(key string) (string, []byte) {
 	if name == "" {
 		return "", nil
 	}
-	data, _, err := readBounded(name, tlsFileLimit)
+	data, _, err := s.doc.files.Read(name, tlsFileLimit)
 	if err != nil {
 		s.Errorf(key, "%v", err)
 		return name, nil

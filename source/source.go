@@ -85,6 +85,10 @@ type Kind struct {
 type Env struct {
 	// Log is the source's logger, with the source's name attached.
 	Log *slog.Logger
+	// Files, when not nil, is where a source reads a credential file
+	// again while it runs (a token a vault-agent sink rotates); nil reads
+	// the disk. A worker's reads go to the monitor (privsep).
+	Files config.Files
 }
 
 // Registry is the table of source kinds kvmount knows.

@@ -22,7 +22,10 @@ import (
 // more, when it is close to its maximum TTL, or when a request finds it
 // revoked (check). Failures back off as every source's do.
 type session struct {
-	cfg    *Config
+	cfg *Config
+	// files is where the token and AppRole files are read at each login:
+	// the disk, or in a worker the monitor that reads them (privsep).
+	files  config.Files
 	client *api.Client
 	log    *slog.Logger
 	fanout *source.Fanout
@@ -44,7 +47,7 @@ type session struct {
 }
 
 func newSession(cfg *Config, client *api.Client, log *slog.Logger) *session {
-	s := &session{cfg: cfg, client: client, log: log, kick: make(chan struct{}, 1), changed: make(chan struct{})}
+	s := &session{cfg: cfg, files: config.Disk{}, client: client, log: log, kick: make(chan struct{}, 1), changed: make(chan struct{})}
 	s.fanout = source.NewFanout(s.loop)
 	return s
 }
@@ -215,11 +218,11 @@ func (s *session) login(ctx context.Context) (*api.SecretAuth, error) {
 	}
 	c.SetToken("")
 	if a := s.cfg.AppRole; a != nil {
-		roleID, err := config.ReadSecretFile(a.RoleIDFile)
+		roleID, err := config.ReadSecretFileFrom(s.files, a.RoleIDFile)
 		if err != nil {
 			return nil, fmt.Errorf("approle role_id_file: %w", err)
 		}
-		secretID, err := config.ReadSecretFile(a.SecretIDFile)
+		secretID, err := config.ReadSecretFileFrom(s.files, a.SecretIDFile)
 		if err != nil {
 			return nil, fmt.Errorf("approle secret_id_file: %w", err)
 		}
@@ -233,7 +236,7 @@ func (s *session) login(ctx context.Context) (*api.SecretAuth, error) {
 		}
 		return secret.Auth, nil
 	}
-	token, err := config.ReadSecretFile(s.cfg.TokenFile)
+	token, err := config.ReadSecretFileFrom(s.files, s.cfg.TokenFile)
 	if err != nil {
 		return nil, fmt.Errorf("token_file: %w", err)
 	}

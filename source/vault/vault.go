@@ -103,6 +103,18 @@ func (c *Config) StoreURLs() []string {
 	return []string{c.Address}
 }
 
+// RereadFiles implements config.RereadFiles: token_file, or AppRole's
+// role_id_file and secret_id_file, read again at every login.
+func (c *Config) RereadFiles() []string {
+	if c.AppRole != nil {
+		return []string{c.AppRole.RoleIDFile, c.AppRole.SecretIDFile}
+	}
+	if c.TokenFile != "" {
+		return []string{c.TokenFile}
+	}
+	return nil
+}
+
 // Kind returns the Vault source kind for the registry.
 func Kind() source.Kind {
 	return source.Kind{Name: "vault", Decode: Decode, Open: open}
@@ -271,7 +283,11 @@ func open(name string, settings any, env source.Env) (source.Source, error) {
 	if !ok {
 		return nil, fmt.Errorf("source/vault: settings are %T, not *vault.Config", settings)
 	}
-	return New(name, c, env.Log)
+	s, err := New(name, c, env.Log)
+	if err == nil && env.Files != nil {
+		s.session.files = env.Files
+	}
+	return s, err
 }
 
 // Source reads one Vault server for every projection of its mounts.
