@@ -7,7 +7,6 @@ import (
 	"path"
 
 	"github.com/kvmount/kvmount/projector"
-	"github.com/kvmount/kvmount/source"
 )
 
 // ErrRefused is wrapped by every error of Assembler.Add: a message the
@@ -69,8 +68,8 @@ func NewAssembler(mounts map[string]MountLimits) *Assembler {
 // Add takes the worker's next message. It returns the payload that a
 // Commit completes, nil otherwise, and an error wrapping ErrRefused for a
 // message that breaks the protocol or a guard rail — naming the mount and
-// the path —, after which the payload being built is dropped. State and
-// Credential messages are not its to take.
+// the path —, after which the payload being built is dropped. Messages
+// other than Begin, File, Data and Commit are not its to take.
 func (a *Assembler) Add(m Message) (*Payload, error) {
 	p, err := a.add(m)
 	if err != nil {
@@ -91,8 +90,8 @@ func (a *Assembler) add(m Message) (*Payload, error) {
 		if !ok {
 			return nil, fmt.Errorf("a payload for mount %q, which the configuration does not have", m.Mount)
 		}
-		if source.BoundRevision(m.Revision) != m.Revision {
-			return nil, fmt.Errorf("mount %q: a revision that is not printable ASCII of at most %d bytes", m.Mount, MaxRevisionLen)
+		if !printable(m.Revision) {
+			return nil, fmt.Errorf("mount %q: a revision that is not printable ASCII", m.Mount)
 		}
 		if limits.MaxFiles > 0 && int64(m.Files) > int64(limits.MaxFiles) {
 			return nil, fmt.Errorf("mount %q: a payload of %d files, more than %w (%d)", m.Mount, m.Files, projector.ErrTooManyFiles, limits.MaxFiles)
@@ -198,3 +197,14 @@ func (b *building) addFile(m *File) error {
 // maxUnlimitedFile bounds a file of a mount that sets neither
 // max_value_size nor max_mount_size, in bytes.
 const maxUnlimitedFile = 1 << 30
+
+// printable reports whether s is printable ASCII, as revisions are
+// (source.BoundRevision).
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 0x20 || s[i] > 0x7e {
+			return false
+		}
+	}
+	return true
+}

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"os/exec"
+	"slices"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -31,26 +34,39 @@ const drainTimeout = time.Second
 // killed.
 const StopGrace = 5 * time.Second
 
-// Supervisor runs the worker as Identity, reads its messages, and starts
-// it again, with backoff (0.5 s doubling to 30 s, as a source's retries),
-// whenever it ends: a worker that dies or breaks the protocol is logged
-// and counted, and what the mounts hold stays as it is. The monitor never
-// waits on the worker: messages are read on a goroutine of their own, and
-// nothing is sent to it that could block.
+// Configuration is what a worker runs: the configuration file's content
+// and every file it names (Inputs, by name; Config names the
+// configuration file among them), and the monitor's limits of each mount,
+// by name, which the payloads must keep (Assembler).
+type Configuration struct {
+	Config string
+	Inputs map[string][]byte
+	Mounts map[string]MountLimits
+}
+
+// ErrNotApplied is wrapped by Configure's error when the worker did not
+// take the configuration.
+var ErrNotApplied = errors.New("the worker did not apply the configuration")
+
+// Supervisor runs the worker as Identity, gives it its Configuration,
+// reads its messages, and starts it again, with backoff (0.5 s doubling
+// to 30 s, as a source's retries), whenever it ends: a worker that dies
+// or breaks the protocol is logged and counted, and what the mounts hold
+// stays as it is. The monitor never waits on the worker: messages are
+// read on a goroutine of their own, and those sent to it are queued and
+// written by another.
 type Supervisor struct {
 	// Command returns the worker's command, a new one for every start;
 	// its ExtraFiles are the supervisor's to set.
 	Command func() *exec.Cmd
 	// Identity is the user and group the worker runs as.
 	Identity Identity
-	// Mounts returns the mounts of the configuration and their limits, at
-	// every start of the worker.
-	Mounts func() map[string]MountLimits
-	// OnPayload and OnState receive the worker's payloads, assembled and
-	// checked, and its sources' states, in order, on the goroutine that
-	// reads the worker.
+	// OnPayload receives the worker's payloads, assembled and checked;
+	// OnMessage its other messages (State, MountState, HeldBack, Log,
+	// Reread). Both are called in order, on the goroutine that reads the
+	// worker, and must not block.
 	OnPayload func(*Payload)
-	OnState   func(*State)
+	OnMessage func(Message)
 	// Log receives the worker's starts, ends and refusals. A refusal's
 	// error quotes what the worker sent (a path, a mount's name): Log's
 	// handler must escape outside text, as the daemon's does
@@ -58,6 +74,50 @@ type Supervisor struct {
 	Log *slog.Logger
 
 	starts, refusals atomic.Uint64
+
+	mu sync.Mutex
+	// cfg is the configuration a worker is given when it starts; seq
+	// numbers the Applies.
+	cfg Configuration
+	seq uint32
+	// link is the running worker's, nil between workers.
+	link *link
+	// waiting are the Configure calls waiting for an Applied, by Seq.
+	waiting map[uint32]chan error
+	// restart, when closed, makes the running worker stop and start again
+	// at once.
+	restart chan struct{}
+}
+
+// link is one running worker: the messages queued for it, and its
+// assembler's mounts.
+type link struct {
+	mu    sync.Mutex
+	queue []Message
+	wake  chan struct{}
+	// done is closed, and closed set, when the worker is gone.
+	done   chan struct{}
+	closed bool
+	// mounts are the mounts the assembler takes payloads for: during a
+	// reconfiguration, those of both configurations until the worker has
+	// applied the new one (a payload of a removed mount may still be on
+	// its way), then only the new one's.
+	mounts  map[string]MountLimits
+	pending map[uint32]map[string]MountLimits
+}
+
+// send queues msgs for the worker; it never blocks.
+func (l *link) send(msgs ...Message) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return
+	}
+	l.queue = append(l.queue, msgs...)
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
 }
 
 // Starts returns how many times a worker was started.
@@ -67,6 +127,82 @@ func (s *Supervisor) Starts() uint64 { return s.starts.Load() }
 // protocol or a guard rail.
 func (s *Supervisor) Refusals() uint64 { return s.refusals.Load() }
 
+// Send queues msgs for the running worker, if one runs (answers to its
+// requests); it never blocks.
+func (s *Supervisor) Send(msgs ...Message) {
+	s.mu.Lock()
+	l := s.link
+	s.mu.Unlock()
+	if l != nil {
+		l.send(msgs...)
+	}
+}
+
+// Configure makes c the configuration of the workers started from now on
+// and, when a worker runs, hands it c and waits — until ctx is done at
+// most — for it to apply it. With restart set (the worker's Landlock
+// policy changes, which a running worker cannot widen) the running worker
+// is stopped and a new one started with c at once. It returns an error
+// wrapping ErrNotApplied when the running worker refused c: the
+// configuration it runs stays the one of later starts too. With no worker
+// running it returns nil: the next one starts with c.
+func (s *Supervisor) Configure(ctx context.Context, c Configuration, restart bool) error {
+	s.mu.Lock()
+	prev := s.cfg
+	s.cfg = c
+	l := s.link
+	if l == nil || restart {
+		if restart && s.restart != nil {
+			close(s.restart)
+			s.restart = nil
+		}
+		s.mu.Unlock()
+		return nil
+	}
+	s.seq++
+	seq := s.seq
+	done := make(chan error, 1)
+	if s.waiting == nil {
+		s.waiting = map[uint32]chan error{}
+	}
+	s.waiting[seq] = done
+	s.mu.Unlock()
+
+	l.mu.Lock()
+	both := maps.Clone(l.mounts)
+	maps.Copy(both, c.Mounts)
+	l.mounts = both
+	if l.pending == nil {
+		l.pending = map[uint32]map[string]MountLimits{}
+	}
+	l.pending[seq] = c.Mounts
+	l.mu.Unlock()
+	l.send(configMessages(c, seq)...)
+
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		err = fmt.Errorf("%w: no answer: %w", ErrNotApplied, ctx.Err())
+	}
+	s.mu.Lock()
+	delete(s.waiting, seq)
+	if err != nil && s.seq == seq {
+		s.cfg = prev
+	}
+	s.mu.Unlock()
+	return err
+}
+
+// configMessages returns the messages that give a worker c as Apply seq.
+func configMessages(c Configuration, seq uint32) []Message {
+	msgs := make([]Message, 0, len(c.Inputs)+1)
+	for _, name := range slices.Sorted(maps.Keys(c.Inputs)) {
+		msgs = append(msgs, &Input{Name: name, Value: c.Inputs[name]})
+	}
+	return append(msgs, &Apply{Seq: seq, Config: c.Config})
+}
+
 // Run starts the worker and starts it again whenever it ends, until ctx is
 // done; then it stops the worker (SIGTERM, and SIGKILL after StopGrace)
 // and returns ctx's error. It returns at once an error of a start that
@@ -75,12 +211,16 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	bo := source.NewBackoff()
 	for {
 		began := time.Now()
-		err := s.runOnce(ctx)
+		restarted, err := s.runOnce(ctx)
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		if errors.Is(err, errIdentity) {
 			return err
+		}
+		if restarted {
+			s.Log.Info("the worker stopped for a new configuration; starting it again")
+			continue
 		}
 		if time.Since(began) > source.RetryMax {
 			bo.Reset()
@@ -96,22 +236,23 @@ func (s *Supervisor) Run(ctx context.Context) error {
 // errIdentity wraps Spawn's refusal of an identity.
 var errIdentity = errors.New("privsep: refused identity")
 
-// runOnce runs one worker until it ends, breaks the protocol, or ctx is
-// done, and returns why it ended.
-func (s *Supervisor) runOnce(ctx context.Context) error {
+// runOnce runs one worker until it ends, breaks the protocol, a restart is
+// asked for (restarted) or ctx is done, and returns why it ended.
+func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	if s.Identity.UID == 0 || s.Identity.GID == 0 {
-		return fmt.Errorf("%w: uid %d, gid %d", errIdentity, s.Identity.UID, s.Identity.GID)
+		return false, fmt.Errorf("%w: uid %d, gid %d", errIdentity, s.Identity.UID, s.Identity.GID)
 	}
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
-		return fmt.Errorf("privsep: socketpair: %w", err)
+		return false, fmt.Errorf("privsep: socketpair: %w", err)
 	}
-	// The monitor's end is non-blocking, so that its reads go through Go's
-	// poller and Close ends one in progress, whoever holds the other end.
+	// The monitor's end is non-blocking, so that its reads and writes go
+	// through Go's poller and Close ends one in progress, whoever holds
+	// the other end.
 	if err := unix.SetNonblock(fds[0], true); err != nil {
 		unix.Close(fds[0])
 		unix.Close(fds[1])
-		return fmt.Errorf("privsep: socketpair: %w", err)
+		return false, fmt.Errorf("privsep: socketpair: %w", err)
 	}
 	mine, theirs := os.NewFile(uintptr(fds[0]), "privsep-monitor"), os.NewFile(uintptr(fds[1]), "privsep-worker")
 	defer mine.Close()
@@ -120,24 +261,56 @@ func (s *Supervisor) runOnce(ctx context.Context) error {
 	w, err := Spawn(cmd, s.Identity)
 	theirs.Close()
 	if err != nil {
-		return fmt.Errorf("privsep: starting the worker: %w", err)
+		return false, fmt.Errorf("privsep: starting the worker: %w", err)
 	}
 	s.starts.Add(1)
 	s.Log.Info("worker started", "pid", w.Process.Pid, "uid", s.Identity.UID)
 
+	restart := make(chan struct{})
+	s.mu.Lock()
+	s.seq++
+	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts}
+	l.queue = configMessages(s.cfg, s.seq)
+	s.link, s.restart = l, restart
+	s.mu.Unlock()
+	writeDone := make(chan struct{})
+	defer func() {
+		s.mu.Lock()
+		s.link = nil
+		if s.restart == restart {
+			s.restart = nil
+		}
+		s.mu.Unlock()
+		l.mu.Lock()
+		l.closed, l.queue = true, nil
+		close(l.done)
+		l.mu.Unlock()
+		<-writeDone
+	}()
+	go func() {
+		defer close(writeDone)
+		s.write(mine, l)
+	}()
+
 	read := make(chan error, 1)
-	go func() { read <- s.read(mine) }()
+	go func() { read <- s.read(mine, l) }()
 	var why, readErr error
 	readDone := false
-	select {
-	case <-ctx.Done():
+	stop := func() {
 		_ = w.Process.Signal(syscall.SIGTERM)
 		select {
 		case <-w.Done():
 		case <-time.After(StopGrace):
 			_ = w.Process.Kill()
 		}
+	}
+	select {
+	case <-ctx.Done():
+		stop()
 		why = ctx.Err()
+	case <-restart:
+		stop()
+		restarted = true
 	case readErr = <-read:
 		// The stream ended or broke the protocol: this worker is done.
 		readDone = true
@@ -160,38 +333,104 @@ func (s *Supervisor) runOnce(ctx context.Context) error {
 			readErr = <-read
 		}
 	}
+	mine.Close()
 	if why == nil {
 		why = readErr
 	}
-	if werr != nil && ctx.Err() == nil {
+	if werr != nil && ctx.Err() == nil && !restarted {
 		why = fmt.Errorf("%w (its messages: %v)", werr, why)
 	}
-	return why
+	return restarted, why
+}
+
+// write writes l's queued messages to w until l is closed or a write
+// fails (the worker is gone).
+func (s *Supervisor) write(w io.Writer, l *link) {
+	e := NewEncoder(w)
+	for {
+		select {
+		case <-l.done:
+			return
+		case <-l.wake:
+		}
+		l.mu.Lock()
+		msgs := l.queue
+		l.queue = nil
+		l.mu.Unlock()
+		for _, m := range msgs {
+			if err := e.Encode(m); err != nil {
+				if !errors.Is(err, ErrMalformed) {
+					return
+				}
+				s.Log.Error("a message for the worker is over the protocol's bounds; not sent", "err", err)
+			}
+		}
+		if err := e.Flush(); err != nil {
+			return
+		}
+	}
 }
 
 // read decodes the worker's messages until the stream ends, and returns
 // why it did: io.EOF, or an error wrapping ErrMalformed, ErrTruncated or
 // ErrRefused.
-func (s *Supervisor) read(r io.Reader) error {
-	d := NewDecoder(r)
-	a := NewAssembler(s.Mounts())
+func (s *Supervisor) read(r io.Reader, l *link) error {
+	d := NewDecoder(r, FromWorker)
+	l.mu.Lock()
+	a := NewAssembler(l.mounts)
+	l.mu.Unlock()
 	for {
 		m, err := d.Decode()
 		if err != nil {
 			return err
 		}
-		if st, ok := m.(*State); ok {
-			if s.OnState != nil {
-				s.OnState(st)
+		switch m := m.(type) {
+		case *Begin, *File, *Data, *Commit:
+			if _, ok := m.(*Begin); ok {
+				// Between payloads: take the mounts of the latest
+				// configuration.
+				l.mu.Lock()
+				a.mounts = l.mounts
+				l.mu.Unlock()
 			}
-			continue
+			p, err := a.Add(m)
+			if err != nil {
+				return err
+			}
+			if p != nil && s.OnPayload != nil {
+				s.OnPayload(p)
+			}
+		case *Applied:
+			s.applied(l, m)
+		default:
+			if s.OnMessage != nil {
+				s.OnMessage(m)
+			}
 		}
-		p, err := a.Add(m)
-		if err != nil {
-			return err
+	}
+}
+
+// applied takes the worker's answer to an Apply: from now on its payloads
+// are of that configuration's mounts, and a Configure waiting for it
+// returns.
+func (s *Supervisor) applied(l *link, m *Applied) {
+	l.mu.Lock()
+	if mounts, ok := l.pending[m.Seq]; ok && m.Err == "" {
+		l.mounts = mounts
+	}
+	delete(l.pending, m.Seq)
+	l.mu.Unlock()
+	s.mu.Lock()
+	done := s.waiting[m.Seq]
+	s.mu.Unlock()
+	if m.Err != "" {
+		s.Log.Error("the worker did not apply the configuration; it runs the one before", "err", m.Err)
+	}
+	if done != nil {
+		var err error
+		if m.Err != "" {
+			err = fmt.Errorf("%w: %s", ErrNotApplied, m.Err)
 		}
-		if p != nil && s.OnPayload != nil {
-			s.OnPayload(p)
-		}
+		done <- err
 	}
 }

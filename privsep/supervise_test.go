@@ -30,7 +30,7 @@ func testSender() error {
 	e := NewEncoder(conn)
 	pid := strconv.Itoa(os.Getpid())
 	msgs := []func() error{
-		func() error { return e.Encode(&State{Source: "main", Healthy: true}) },
+		func() error { return e.Encode(&State{Source: "main", Revision: "1"}) },
 		func() error { return e.Encode(&Begin{Mount: "app", Revision: pid, Files: 1}) },
 		func() error { return e.EncodeFile("pid", 0o644, []byte(pid)) },
 		func() error { return e.Encode(&Commit{}) },
@@ -71,7 +71,6 @@ func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer,
 			return cmd
 		},
 		Identity: Identity{UID: u.UID, GID: u.GID},
-		Mounts:   func() map[string]MountLimits { return testMounts },
 		OnPayload: func(p *Payload) {
 			mu.Lock()
 			defer mu.Unlock()
@@ -81,6 +80,9 @@ func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer,
 			revs = append(revs, p.Revision)
 		},
 		Log: slog.New(slog.NewTextHandler(logs, nil)),
+	}
+	if err := s.Configure(context.Background(), Configuration{Mounts: testMounts}, false); err != nil {
+		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

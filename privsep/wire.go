@@ -6,54 +6,34 @@ import (
 	"errors"
 	"fmt"
 	"io"
-
-	"github.com/kvmount/kvmount/projector"
 )
 
 // The wire protocol between the worker and the monitor, over a stream
 // socket (a socketpair). A frame is a header of five bytes — the body's
 // length (big-endian uint32) and the message type — and the body. Strings
-// in a body are a big-endian uint16 length and the bytes; numbers are
+// in a body are a big-endian uint16 length and the bytes (uint32 for a
+// file's content); lists are a uint16 count and their strings; numbers are
 // big-endian. A payload crosses as Begin, then for each file a File and
-// the Data chunks of its bytes, then Commit: no frame is larger than
-// MaxFrame, whatever the payload, and the monitor holds one payload of
-// one mount at a time, within that mount's limits (Assembler).
+// the Data chunks of its bytes, then Commit: no frame of the worker's is
+// larger than MaxChunk, whatever the payload, and the monitor holds one
+// payload of one mount at a time, within that mount's limits (Assembler).
+// messages.go lists the messages and which side sends each.
 //
-// The decoder trusts nothing: a length over its bound is refused before
-// anything is read or allocated, a body must be consumed exactly, and an
-// unknown type or a frame cut short is an error. Every error wraps
-// ErrMalformed, or ErrTruncated for a frame cut short.
+// The decoder trusts nothing: a type the other side does not send, or a
+// length over its type's bound, is refused before anything is read or
+// allocated; a body must be consumed exactly; a frame cut short is an
+// error. Every error wraps ErrMalformed, or ErrTruncated for a frame cut
+// short.
 
-// Bounds of the protocol.
-const (
-	// MaxChunk is the most file bytes one Data frame carries.
-	MaxChunk = 256 << 10
-	// MaxFrame is the largest frame body of any type, in bytes: a Data
-	// frame's (every other type's bound is smaller).
-	MaxFrame = MaxChunk
-	// MaxNameLen bounds a mount's and a source's name, in bytes.
-	MaxNameLen = 255
-	// MaxRevisionLen bounds a revision, in bytes (source.BoundRevision
-	// keeps revisions within 128).
-	MaxRevisionLen = 128
-	// MaxPathLen bounds a file's path, in bytes (the kubelet's,
-	// projector.MaxPathLength).
-	MaxPathLen = projector.MaxPathLength
-	// MaxDetailLen bounds a State's detail, in bytes.
-	MaxDetailLen = 4096
-	// MaxCredentialLen bounds a Credential's value, in bytes (credential
-	// files are at most 64 KiB).
-	MaxCredentialLen = 64 << 10
-)
+// Side is the sender of a stream of frames: a decoder accepts only the
+// messages its side sends.
+type Side int
 
-// Message types, the fifth byte of a frame's header.
 const (
-	typeBegin      = 1
-	typeFile       = 2
-	typeData       = 3
-	typeCommit     = 4
-	typeState      = 5
-	typeCredential = 6
+	// FromWorker: payloads, states, log records and requests.
+	FromWorker Side = iota
+	// FromMonitor: the configuration's inputs, Apply and answers.
+	FromMonitor
 )
 
 // ErrMalformed is wrapped by every error of a frame that breaks the
@@ -63,54 +43,12 @@ var (
 	ErrTruncated = errors.New("frame cut short")
 )
 
-// Message is one message of the protocol: *Begin, *File, *Data, *Commit,
-// *State or *Credential.
+// Message is one message of the protocol (messages.go).
 type Message interface {
 	msgType() byte
+	// put appends the message's body to b; an error wraps ErrMalformed.
+	put(b []byte) ([]byte, error)
 }
-
-// Begin starts a payload of Files files for mount Mount at Revision.
-type Begin struct {
-	Mount, Revision string
-	Files           uint32
-}
-
-// File starts a file of the payload begun: its path in the mount, its
-// permission bits and its size in bytes; Data frames carry its bytes.
-type File struct {
-	Path string
-	Mode uint32
-	Size uint64
-}
-
-// Data is a chunk of the current file's bytes, at most MaxChunk.
-type Data struct {
-	Bytes []byte
-}
-
-// Commit ends the payload begun.
-type Commit struct{}
-
-// State reports a source's state, for the log, /status and metrics.
-type State struct {
-	Source  string
-	Healthy bool
-	Detail  string
-}
-
-// Credential passes the contents of a credential file the monitor read
-// (a token, a password) to the worker, which may not read the file.
-type Credential struct {
-	Name  string
-	Value []byte
-}
-
-func (*Begin) msgType() byte      { return typeBegin }
-func (*File) msgType() byte       { return typeFile }
-func (*Data) msgType() byte       { return typeData }
-func (*Commit) msgType() byte     { return typeCommit }
-func (*State) msgType() byte      { return typeState }
-func (*Credential) msgType() byte { return typeCredential }
 
 // Encoder writes messages as frames.
 type Encoder struct {
@@ -126,45 +64,7 @@ func NewEncoder(w io.Writer) *Encoder { return &Encoder{w: bufio.NewWriter(w)} }
 // protocol's bounds (nothing is written then), or the writer's error.
 // Frames are buffered until Flush.
 func (e *Encoder) Encode(m Message) error {
-	b := e.buf[:0]
-	var err error
-	switch m := m.(type) {
-	case *Begin:
-		b, err = putString(b, m.Mount, MaxNameLen)
-		if err == nil {
-			b, err = putString(b, m.Revision, MaxRevisionLen)
-		}
-		b = binary.BigEndian.AppendUint32(b, m.Files)
-	case *File:
-		b, err = putString(b, m.Path, MaxPathLen)
-		b = binary.BigEndian.AppendUint32(b, m.Mode)
-		b = binary.BigEndian.AppendUint64(b, m.Size)
-	case *Data:
-		if len(m.Bytes) > MaxChunk {
-			err = fmt.Errorf("%w: a chunk of %d bytes, more than %d", ErrMalformed, len(m.Bytes), MaxChunk)
-		}
-		b = append(b, m.Bytes...)
-	case *Commit:
-	case *State:
-		b, err = putString(b, m.Source, MaxNameLen)
-		if m.Healthy {
-			b = append(b, 1)
-		} else {
-			b = append(b, 0)
-		}
-		if err == nil {
-			b, err = putString(b, m.Detail, MaxDetailLen)
-		}
-	case *Credential:
-		b, err = putString(b, m.Name, MaxNameLen)
-		if len(m.Value) > MaxCredentialLen {
-			err = fmt.Errorf("%w: a credential of %d bytes, more than %d", ErrMalformed, len(m.Value), MaxCredentialLen)
-		}
-		b = binary.BigEndian.AppendUint32(b, uint32(len(m.Value)))
-		b = append(b, m.Value...)
-	default:
-		err = fmt.Errorf("%w: message %T", ErrMalformed, m)
-	}
+	b, err := m.put(e.buf[:0])
 	e.buf = b
 	if err != nil {
 		return err
@@ -207,40 +107,79 @@ func putString(b []byte, s string, most int) ([]byte, error) {
 	return append(b, s...), nil
 }
 
-// Decoder reads frames as messages.
-type Decoder struct {
-	r   *bufio.Reader
-	buf []byte
+// putBytes appends v with a uint32 length, or returns an error wrapping
+// ErrMalformed when v is longer than most bytes.
+func putBytes(b, v []byte, most int) ([]byte, error) {
+	if len(v) > most {
+		return b, fmt.Errorf("%w: %d bytes, more than %d", ErrMalformed, len(v), most)
+	}
+	b = binary.BigEndian.AppendUint32(b, uint32(len(v)))
+	return append(b, v...), nil
 }
 
-// NewDecoder returns a decoder reading from r.
-func NewDecoder(r io.Reader) *Decoder { return &Decoder{r: bufio.NewReader(r)} }
-
-// maxBody returns the largest body a frame of type t may have, in bytes;
-// -1 for an unknown type.
-func maxBody(t byte) int {
-	switch t {
-	case typeBegin:
-		return 2 + MaxNameLen + 2 + MaxRevisionLen + 4
-	case typeFile:
-		return 2 + MaxPathLen + 4 + 8
-	case typeData:
-		return MaxChunk
-	case typeCommit:
-		return 0
-	case typeState:
-		return 2 + MaxNameLen + 1 + 2 + MaxDetailLen
-	case typeCredential:
-		return 2 + MaxNameLen + 4 + MaxCredentialLen
+// putList appends the count of list and its strings, or returns an error
+// wrapping ErrMalformed for more than MaxListLen strings or one longer
+// than most bytes.
+func putList(b []byte, list []string, most int) ([]byte, error) {
+	if len(list) > MaxListLen {
+		return b, fmt.Errorf("%w: a list of %d strings, more than %d", ErrMalformed, len(list), MaxListLen)
 	}
-	return -1
+	b = binary.BigEndian.AppendUint16(b, uint16(len(list)))
+	var err error
+	for _, s := range list {
+		if b, err = putString(b, s, most); err != nil {
+			return b, err
+		}
+	}
+	return b, nil
+}
+
+// writer collects a body's fields; the first error sticks.
+type writer struct {
+	b   []byte
+	err error
+}
+
+func (w *writer) string(s string, most int) {
+	if w.err == nil {
+		w.b, w.err = putString(w.b, s, most)
+	}
+}
+
+func (w *writer) bytes(v []byte, most int) {
+	if w.err == nil {
+		w.b, w.err = putBytes(w.b, v, most)
+	}
+}
+
+func (w *writer) list(l []string, most int) {
+	if w.err == nil {
+		w.b, w.err = putList(w.b, l, most)
+	}
+}
+
+func (w *writer) uint32(v uint32) { w.b = binary.BigEndian.AppendUint32(w.b, v) }
+func (w *writer) uint64(v uint64) { w.b = binary.BigEndian.AppendUint64(w.b, v) }
+
+// Decoder reads frames as messages.
+type Decoder struct {
+	r    *bufio.Reader
+	from Side
+	buf  []byte
+}
+
+// NewDecoder returns a decoder reading from r the messages that from
+// sends.
+func NewDecoder(r io.Reader, from Side) *Decoder {
+	return &Decoder{r: bufio.NewReader(r), from: from}
 }
 
 // Decode reads the next message. It returns io.EOF at the end of the
 // stream between frames, an error wrapping ErrTruncated when it ends
 // inside one, and an error wrapping ErrMalformed for a frame that breaks
-// the protocol (its length over the type's bound is refused before the
-// body is read). A *Data's Bytes are valid until the next call.
+// the protocol (a type the other side does not send, or a length over the
+// type's bound, is refused before the body is read). A *Data's Bytes are
+// valid until the next call.
 func (d *Decoder) Decode() (Message, error) {
 	var hdr [5]byte
 	if _, err := io.ReadFull(d.r, hdr[:]); err != nil {
@@ -250,12 +189,14 @@ func (d *Decoder) Decode() (Message, error) {
 		return nil, err
 	}
 	n, t := binary.BigEndian.Uint32(hdr[:4]), hdr[4]
-	most := maxBody(t)
+	k, ok := messageKinds[t]
 	switch {
-	case most < 0:
+	case !ok:
 		return nil, fmt.Errorf("%w: unknown type %d", ErrMalformed, t)
-	case int64(n) > int64(most):
-		return nil, fmt.Errorf("%w: a body of %d bytes for type %d, at most %d", ErrMalformed, n, t, most)
+	case k.from != d.from:
+		return nil, fmt.Errorf("%w: type %d is not the %s's to send", ErrMalformed, t, d.from)
+	case int64(n) > int64(k.most):
+		return nil, fmt.Errorf("%w: a body of %d bytes for type %d, at most %d", ErrMalformed, n, t, k.most)
 	}
 	if cap(d.buf) < int(n) {
 		d.buf = make([]byte, n)
@@ -265,27 +206,19 @@ func (d *Decoder) Decode() (Message, error) {
 		return nil, fmt.Errorf("%w: in a body of %d bytes", ErrTruncated, n)
 	}
 	p := parser{b: body}
-	var m Message
-	switch t {
-	case typeBegin:
-		m = &Begin{Mount: p.string(MaxNameLen), Revision: p.string(MaxRevisionLen), Files: p.uint32()}
-	case typeFile:
-		m = &File{Path: p.string(MaxPathLen), Mode: p.uint32(), Size: p.uint64()}
-	case typeData:
-		m = &Data{Bytes: p.rest()}
-	case typeCommit:
-		m = &Commit{}
-	case typeState:
-		m = &State{Source: p.string(MaxNameLen), Healthy: p.bool(), Detail: p.string(MaxDetailLen)}
-	case typeCredential:
-		c := &Credential{Name: p.string(MaxNameLen)}
-		c.Value = append([]byte(nil), p.bytes(int(p.uint32()), MaxCredentialLen)...)
-		m = c
-	}
+	m := k.decode(&p)
 	if err := p.done(); err != nil {
 		return nil, fmt.Errorf("%w: type %d: %v", ErrMalformed, t, err)
 	}
 	return m, nil
+}
+
+// String names the side.
+func (s Side) String() string {
+	if s == FromMonitor {
+		return "monitor"
+	}
+	return "worker"
 }
 
 // parser reads a body's fields; the first problem sticks.
@@ -307,6 +240,13 @@ func (p *parser) take(n int) []byte {
 	return v
 }
 
+func (p *parser) uint16() int {
+	if v := p.take(2); v != nil {
+		return int(binary.BigEndian.Uint16(v))
+	}
+	return 0
+}
+
 func (p *parser) uint32() uint32 {
 	if v := p.take(4); v != nil {
 		return binary.BigEndian.Uint32(v)
@@ -321,27 +261,37 @@ func (p *parser) uint64() uint64 {
 	return 0
 }
 
-func (p *parser) bool() bool {
-	v := p.take(1)
-	if v != nil && v[0] > 1 {
-		p.err = fmt.Errorf("a boolean of %d", v[0])
-	}
-	return v != nil && v[0] == 1
-}
-
-func (p *parser) bytes(n, most int) []byte {
-	if n > most && p.err == nil {
+// bytes reads a uint32 length and that many bytes, at most most, as a
+// copy.
+func (p *parser) bytes(most int) []byte {
+	n := int64(p.uint32())
+	if n > int64(most) && p.err == nil {
 		p.err = fmt.Errorf("a field of %d bytes, more than %d", n, most)
 	}
-	return p.take(n)
+	return append([]byte(nil), p.take(int(n))...)
 }
 
 func (p *parser) string(most int) string {
-	var n int
-	if v := p.take(2); v != nil {
-		n = int(binary.BigEndian.Uint16(v))
+	n := p.uint16()
+	if n > most && p.err == nil {
+		p.err = fmt.Errorf("a string of %d bytes, more than %d", n, most)
 	}
-	return string(p.bytes(n, most))
+	return string(p.take(n))
+}
+
+func (p *parser) list(most int) []string {
+	n := p.uint16()
+	if n > MaxListLen && p.err == nil {
+		p.err = fmt.Errorf("a list of %d strings, more than %d", n, MaxListLen)
+	}
+	if p.err != nil || n == 0 {
+		return nil
+	}
+	out := make([]string, 0, n)
+	for range n {
+		out = append(out, p.string(most))
+	}
+	return out
 }
 
 func (p *parser) rest() []byte {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -53,7 +54,7 @@ func payloadFrames(t testing.TB, mount, revision string, files map[string]string
 // assemble decodes stream and feeds an assembler for mounts with it; it
 // returns the payloads completed and the first error.
 func assemble(stream []byte, mounts map[string]MountLimits) ([]*Payload, error) {
-	d := NewDecoder(bytes.NewReader(stream))
+	d := NewDecoder(bytes.NewReader(stream), FromWorker)
 	a := NewAssembler(mounts)
 	var out []*Payload
 	for {
@@ -64,10 +65,9 @@ func assemble(stream []byte, mounts map[string]MountLimits) ([]*Payload, error) 
 		if err != nil {
 			return out, err
 		}
-		if _, ok := m.(*State); ok {
-			continue
-		}
-		if _, ok := m.(*Credential); ok {
+		switch m.(type) {
+		case *Begin, *File, *Data, *Commit:
+		default:
 			continue
 		}
 		p, err := a.Add(m)
@@ -89,28 +89,40 @@ var testMounts = map[string]MountLimits{
 // chunk arrives whole, and a payload is assembled as it was sent.
 func TestRoundTrip(t *testing.T) {
 	big := strings.Repeat("x", 3*MaxChunk+17)
-	msgs := []Message{
-		&State{Source: "main", Healthy: true, Detail: "ok"},
-		&Credential{Name: "token", Value: []byte("s3cret")},
+	fromWorker := []Message{
+		&State{Source: "main", Err: "", Revision: "42"},
+		&MountState{Mount: "app", Generation: 7, Revision: "main@42", Err: "e", Waiting: []string{"a", "b"}, Stale: []string{"source \"c\": down"}},
+		&HeldBack{Mount: "app", Guard: "max_files", Reason: "too many", Revision: "main@43"},
+		&Log{Level: -4, Message: "m", Attrs: []string{"mount", "app", "n", "3"}},
+		&Applied{Seq: 9, Err: "no"},
+		&Reread{Name: "/etc/kvmount/token"},
 	}
-	stream := append(encode(t, msgs...), payloadFrames(t, "app", "rev:7", map[string]string{"a": "1", "dir/b": big, "empty": ""})...)
-	d := NewDecoder(bytes.NewReader(stream))
-	for _, want := range msgs {
-		got, err := d.Decode()
-		if err != nil {
-			t.Fatal(err)
+	fromMonitor := []Message{
+		&Credential{Name: "/etc/kvmount/token", Value: []byte("s3cret"), Err: ""},
+		&Input{Name: "/etc/kvmount/kvmount.toml", Value: []byte(big)},
+		&Apply{Seq: 9, Config: "/etc/kvmount/kvmount.toml"},
+	}
+	for _, dir := range []struct {
+		from Side
+		msgs []Message
+	}{{FromWorker, fromWorker}, {FromMonitor, fromMonitor}} {
+		d := NewDecoder(bytes.NewReader(encode(t, dir.msgs...)), dir.from)
+		for _, want := range dir.msgs {
+			got, err := d.Decode()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, want) {
+				t.Errorf("got %+v; want %+v", got, want)
+			}
 		}
-		switch w := want.(type) {
-		case *State:
-			if g, ok := got.(*State); !ok || *g != *w {
-				t.Errorf("got %+v; want %+v", got, w)
-			}
-		case *Credential:
-			if g, ok := got.(*Credential); !ok || g.Name != w.Name || !bytes.Equal(g.Value, w.Value) {
-				t.Errorf("got %+v; want %+v", got, w)
-			}
+		// The other side does not send these.
+		other := FromMonitor - dir.from
+		if _, err := NewDecoder(bytes.NewReader(encode(t, dir.msgs[0])), other).Decode(); !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "is not the "+other.String()+"'s to send") {
+			t.Errorf("a %T from the %s: %v", dir.msgs[0], other, err)
 		}
 	}
+	stream := append(encode(t, fromWorker...), payloadFrames(t, "app", "rev:7", map[string]string{"a": "1", "dir/b": big, "empty": ""})...)
 	payloads, err := assemble(stream, testMounts)
 	if err != nil {
 		t.Fatal(err)
@@ -184,7 +196,9 @@ func TestHostileWorker(t *testing.T) {
 		{"an unknown type", frame(99, nil), ErrMalformed, "unknown type 99"},
 		{"bytes left over", frame(typeCommit, []byte{1}), ErrMalformed, "at most 0"},
 		{"a string past its frame", frame(typeBegin, []byte{0, 200, 'a'}), ErrMalformed, "where 1 remain"},
-		{"a boolean of 2", frame(typeState, []byte{0, 0, 2, 0, 0}), ErrMalformed, "a boolean of 2"},
+		{"a list too long", frame(typeMountState, append(append(make([]byte, 2+8+2+2), 0, 0), 0xff, 0xff)), ErrMalformed, "a list of 65535 strings, more than 64"},
+		{"odd log attributes", frame(typeLog, append(make([]byte, 4+2), 0, 1, 0, 0)), ErrMalformed, "not key and value pairs"},
+		{"a monitor's message", encode(t, &Input{Name: "x"}), ErrMalformed, "not the worker's to send"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			payloads, err := assemble(tc.stream, testMounts)
@@ -232,7 +246,7 @@ func TestAssemblerStartsAfresh(t *testing.T) {
 func FuzzDecode(f *testing.F) {
 	f.Add(payloadFrames(f, "app", "r1", map[string]string{"a": "1", "d/b": "22"}))
 	f.Add(payloadFrames(f, "small", "r2", map[string]string{"x": "0123456789"}))
-	f.Add(encode(f, &State{Source: "s", Detail: "d"}, &Credential{Name: "n", Value: []byte("v")}))
+	f.Add(encode(f, &State{Source: "s", Err: "d"}, &MountState{Mount: "app", Waiting: []string{"s"}}, &Log{Message: "m", Attrs: []string{"k", "v"}}))
 	f.Add(fileFrame("../x", 0o644, 1))
 	f.Fuzz(func(t *testing.T, stream []byte) {
 		payloads, _ := assemble(stream, testMounts)

@@ -1,0 +1,313 @@
+package privsep
+
+import (
+	"fmt"
+
+	"github.com/kvmount/kvmount/projector"
+)
+
+// Bounds of the protocol.
+const (
+	// MaxChunk is the most file bytes one Data frame carries.
+	MaxChunk = 256 << 10
+	// MaxNameLen bounds a mount's and a source's name, a guard rail's and
+	// a log attribute's key, in bytes.
+	MaxNameLen = 255
+	// MaxRevisionLen bounds a revision, in bytes: a mount's names the
+	// revision of each of its projections, each bounded by
+	// source.BoundRevision.
+	MaxRevisionLen = 1024
+	// MaxPathLen bounds a file's path in a mount, in bytes (the kubelet's,
+	// projector.MaxPathLength).
+	MaxPathLen = projector.MaxPathLength
+	// MaxFileNameLen bounds the name of a file on the host (PATH_MAX).
+	MaxFileNameLen = 4096
+	// MaxDetailLen bounds an error's text, a log message and a log
+	// attribute's value, in bytes.
+	MaxDetailLen = 4096
+	// MaxListLen bounds the strings of a list.
+	MaxListLen = 64
+	// MaxCredentialLen bounds a Credential's value, in bytes (credential
+	// files are at most 64 KiB).
+	MaxCredentialLen = 64 << 10
+	// MaxInputLen bounds an Input's value, in bytes: the configuration
+	// file, or a file it names.
+	MaxInputLen = 4 << 20
+)
+
+// Message types, the fifth byte of a frame's header.
+const (
+	typeBegin      = 1
+	typeFile       = 2
+	typeData       = 3
+	typeCommit     = 4
+	typeState      = 5
+	typeCredential = 6
+	typeMountState = 7
+	typeHeldBack   = 8
+	typeLog        = 9
+	typeApplied    = 10
+	typeReread     = 11
+	typeInput      = 12
+	typeApply      = 13
+)
+
+// kind is what the decoder knows of a message type: its sender, the
+// largest body it may have (bytes) and how to read it.
+type kind struct {
+	from   Side
+	most   int
+	decode func(p *parser) Message
+}
+
+var messageKinds = map[byte]kind{
+	typeBegin: {FromWorker, 2 + MaxNameLen + 2 + MaxRevisionLen + 4, func(p *parser) Message {
+		return &Begin{Mount: p.string(MaxNameLen), Revision: p.string(MaxRevisionLen), Files: p.uint32()}
+	}},
+	typeFile: {FromWorker, 2 + MaxPathLen + 4 + 8, func(p *parser) Message {
+		return &File{Path: p.string(MaxPathLen), Mode: p.uint32(), Size: p.uint64()}
+	}},
+	typeData:   {FromWorker, MaxChunk, func(p *parser) Message { return &Data{Bytes: p.rest()} }},
+	typeCommit: {FromWorker, 0, func(*parser) Message { return &Commit{} }},
+	typeState: {FromWorker, 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser) Message {
+		return &State{Source: p.string(MaxNameLen), Err: p.string(MaxDetailLen), Revision: p.string(MaxRevisionLen)}
+	}},
+	typeMountState: {FromWorker, 2 + MaxNameLen + 8 + 2 + MaxRevisionLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxNameLen) + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser) Message {
+		return &MountState{Mount: p.string(MaxNameLen), Generation: p.uint64(), Revision: p.string(MaxRevisionLen), Err: p.string(MaxDetailLen), Waiting: p.list(MaxNameLen), Stale: p.list(MaxDetailLen)}
+	}},
+	typeHeldBack: {FromWorker, 2 + MaxNameLen + 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser) Message {
+		return &HeldBack{Mount: p.string(MaxNameLen), Guard: p.string(MaxNameLen), Reason: p.string(MaxDetailLen), Revision: p.string(MaxRevisionLen)}
+	}},
+	typeLog: {FromWorker, 4 + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser) Message {
+		l := &Log{Level: int32(p.uint32()), Message: p.string(MaxDetailLen), Attrs: p.list(MaxDetailLen)}
+		if len(l.Attrs)%2 != 0 && p.err == nil {
+			p.err = fmt.Errorf("%d attribute strings, not key and value pairs", len(l.Attrs))
+		}
+		return l
+	}},
+	typeApplied: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser) Message {
+		return &Applied{Seq: p.uint32(), Err: p.string(MaxDetailLen)}
+	}},
+	typeReread: {FromWorker, 2 + MaxFileNameLen, func(p *parser) Message {
+		return &Reread{Name: p.string(MaxFileNameLen)}
+	}},
+	typeCredential: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxCredentialLen + 2 + MaxDetailLen, func(p *parser) Message {
+		return &Credential{Name: p.string(MaxFileNameLen), Value: p.bytes(MaxCredentialLen), Err: p.string(MaxDetailLen)}
+	}},
+	typeInput: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxInputLen, func(p *parser) Message {
+		return &Input{Name: p.string(MaxFileNameLen), Value: p.bytes(MaxInputLen)}
+	}},
+	typeApply: {FromMonitor, 4 + 2 + MaxFileNameLen, func(p *parser) Message {
+		return &Apply{Seq: p.uint32(), Config: p.string(MaxFileNameLen)}
+	}},
+}
+
+// Begin (worker) starts a payload of Files files for mount Mount at
+// Revision.
+type Begin struct {
+	Mount, Revision string
+	Files           uint32
+}
+
+// File (worker) starts a file of the payload begun: its path in the
+// mount, its permission bits and its size in bytes; Data frames carry its
+// bytes.
+type File struct {
+	Path string
+	Mode uint32
+	Size uint64
+}
+
+// Data (worker) is a chunk of the current file's bytes, at most MaxChunk.
+type Data struct {
+	Bytes []byte
+}
+
+// Commit (worker) ends the payload begun.
+type Commit struct{}
+
+// State (worker) reports a source's health, as the feeds the mounts use
+// see it — Err is empty while it can be read — and the newest revision
+// read from it.
+type State struct {
+	Source, Err, Revision string
+}
+
+// MountState (worker) reports a mount's desired state: the worker's
+// Generation of it, the Revision its payload comes from, Err when the
+// payload cannot be built, the sources whose first snapshot has not come
+// (Waiting) and the errors of those that cannot be read now (Stale). When
+// the payload is ready and Generation new, the payload follows.
+type MountState struct {
+	Mount         string
+	Generation    uint64
+	Revision, Err string
+	Waiting       []string
+	Stale         []string
+}
+
+// HeldBack (worker) reports that a guard rail — max_value_size,
+// max_mount_size or max_files — kept a mount's payload from being built.
+type HeldBack struct {
+	Mount, Guard, Reason, Revision string
+}
+
+// Log (worker) is one log record of the worker's: its slog level, message
+// and attributes as key and value strings, one after the other. The
+// monitor logs it with its own handler, which escapes it.
+type Log struct {
+	Level   int32
+	Message string
+	Attrs   []string
+}
+
+// Applied (worker) answers Apply Seq: Err is empty when the worker runs
+// the configuration now, else why it keeps the one it ran.
+type Applied struct {
+	Seq uint32
+	Err string
+}
+
+// Reread (worker) asks the monitor for the content of a credential file
+// that a source reads again while it runs (config.RereadFiles); the
+// monitor answers with a Credential, and reads only files the
+// configuration names so.
+type Reread struct {
+	Name string
+}
+
+// Credential (monitor) answers a Reread: the file's content, or Err.
+type Credential struct {
+	Name  string
+	Value []byte
+	Err   string
+}
+
+// Input (monitor) passes the content of a file the configuration is made
+// of: the configuration file itself and each file it names (credential,
+// TLS and template files), which the worker may not read.
+type Input struct {
+	Name  string
+	Value []byte
+}
+
+// Apply (monitor) makes the worker run the configuration of the Input
+// named Config, with the Inputs sent since the last Apply as its files;
+// the worker answers with Applied Seq.
+type Apply struct {
+	Seq    uint32
+	Config string
+}
+
+func (*Begin) msgType() byte      { return typeBegin }
+func (*File) msgType() byte       { return typeFile }
+func (*Data) msgType() byte       { return typeData }
+func (*Commit) msgType() byte     { return typeCommit }
+func (*State) msgType() byte      { return typeState }
+func (*MountState) msgType() byte { return typeMountState }
+func (*HeldBack) msgType() byte   { return typeHeldBack }
+func (*Log) msgType() byte        { return typeLog }
+func (*Applied) msgType() byte    { return typeApplied }
+func (*Reread) msgType() byte     { return typeReread }
+func (*Credential) msgType() byte { return typeCredential }
+func (*Input) msgType() byte      { return typeInput }
+func (*Apply) msgType() byte      { return typeApply }
+
+func (m *Begin) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
+	w.string(m.Revision, MaxRevisionLen)
+	w.uint32(m.Files)
+	return w.b, w.err
+}
+
+func (m *File) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Path, MaxPathLen)
+	w.uint32(m.Mode)
+	w.uint64(m.Size)
+	return w.b, w.err
+}
+
+func (m *Data) put(b []byte) ([]byte, error) {
+	if len(m.Bytes) > MaxChunk {
+		return b, fmt.Errorf("%w: a chunk of %d bytes, more than %d", ErrMalformed, len(m.Bytes), MaxChunk)
+	}
+	return append(b, m.Bytes...), nil
+}
+
+func (*Commit) put(b []byte) ([]byte, error) { return b, nil }
+
+func (m *State) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Source, MaxNameLen)
+	w.string(m.Err, MaxDetailLen)
+	w.string(m.Revision, MaxRevisionLen)
+	return w.b, w.err
+}
+
+func (m *MountState) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
+	w.uint64(m.Generation)
+	w.string(m.Revision, MaxRevisionLen)
+	w.string(m.Err, MaxDetailLen)
+	w.list(m.Waiting, MaxNameLen)
+	w.list(m.Stale, MaxDetailLen)
+	return w.b, w.err
+}
+
+func (m *HeldBack) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
+	w.string(m.Guard, MaxNameLen)
+	w.string(m.Reason, MaxDetailLen)
+	w.string(m.Revision, MaxRevisionLen)
+	return w.b, w.err
+}
+
+func (m *Log) put(b []byte) ([]byte, error) {
+	if len(m.Attrs)%2 != 0 {
+		return b, fmt.Errorf("%w: %d attribute strings, not key and value pairs", ErrMalformed, len(m.Attrs))
+	}
+	w := writer{b: b}
+	w.uint32(uint32(m.Level))
+	w.string(m.Message, MaxDetailLen)
+	w.list(m.Attrs, MaxDetailLen)
+	return w.b, w.err
+}
+
+func (m *Applied) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.uint32(m.Seq)
+	w.string(m.Err, MaxDetailLen)
+	return w.b, w.err
+}
+
+func (m *Reread) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Name, MaxFileNameLen)
+	return w.b, w.err
+}
+
+func (m *Credential) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Name, MaxFileNameLen)
+	w.bytes(m.Value, MaxCredentialLen)
+	w.string(m.Err, MaxDetailLen)
+	return w.b, w.err
+}
+
+func (m *Input) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Name, MaxFileNameLen)
+	w.bytes(m.Value, MaxInputLen)
+	return w.b, w.err
+}
+
+func (m *Apply) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.uint32(m.Seq)
+	w.string(m.Config, MaxFileNameLen)
+	return w.b, w.err
+}
