@@ -207,6 +207,8 @@ var (
 // TestMain removes the binary the benchmarks built and the directories
 // they kept.
 func TestMain(m *testing.M) {
+	// The daemon starts this binary again as its worker.
+	MaybeWorker(testRegistry())
 	code := m.Run()
 	if binPath != "" {
 		os.RemoveAll(filepath.Dir(binPath))

@@ -50,6 +50,12 @@ type Options struct {
 	// WatchdogInterval, when positive, is how often "watchdog" is sent:
 	// half of systemd's WATCHDOG_USEC.
 	WatchdogInterval time.Duration
+	// InProcess runs the sources, the populator and the templates in this
+	// process, as it runs, instead of in an unprivileged worker (privsep):
+	// for side-by-side benchmarks of the split only.
+	InProcess bool
+	// WorkerUser is the user the worker runs as; empty means WorkerUser.
+	WorkerUser string
 }
 
 // instance is one opened source and the configuration it was opened with.
@@ -73,6 +79,7 @@ type daemon struct {
 	notifier *notify.Notifier // nil in Once
 	admin    *admin.Server    // nil in Once
 	service  *service
+	monitor  *monitor // nil with Options.InProcess
 }
 
 // load reads the configuration and wires the parts; nothing runs yet.
@@ -80,7 +87,8 @@ type daemon struct {
 // which listens in the background once Run starts it: a port someone else
 // holds is reported and retried, and never keeps a mount from projecting.
 func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, error) {
-	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
+	rec := &config.Recorder{}
+	cfg, err := config.LoadWith(opts.ConfigPath, opts.Registry.Decoders(), rec)
 	if err != nil {
 		return nil, err
 	}
@@ -110,22 +118,36 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		observers = append(observers, notifyChanges{d.notifier})
 	}
 	trigger := reconcile.NewTrigger()
-	d.cache = source.NewCache(d.log, trigger.Fire)
-	opened, err := d.openSources(cfg)
-	if err != nil {
-		d.close()
-		return nil, err
+	var desired reconcile.Desired
+	if opts.InProcess {
+		d.cache = source.NewCache(d.log, trigger.Fire)
+		opened, err := openSources(opts.Registry, nil, cfg, d.log, nil)
+		if err != nil {
+			d.close()
+			return nil, err
+		}
+		d.setSources(opened)
+		d.pop = reconcile.NewPopulator(d.cache, d.log)
+		if err := d.pop.SetMounts(cfg.Mounts); err != nil {
+			d.close()
+			return nil, err
+		}
+		desired = d.pop
+	} else {
+		user := opts.WorkerUser
+		if user == "" {
+			user = WorkerUser
+		}
+		if d.monitor, err = newMonitor(d.log, cfg, rec, user); err != nil {
+			d.close()
+			return nil, err
+		}
+		desired = d.monitor.remote
 	}
-	d.setSources(opened)
-	d.pop = reconcile.NewPopulator(d.cache, d.log)
-	if err := d.pop.SetMounts(cfg.Mounts); err != nil {
-		d.close()
-		return nil, err
-	}
-	// The sources' first reads are under way: the host's audit (a walk up
-	// every mount's path) runs while they are.
+	// The sources' first reads are under way (or the worker's): the
+	// host's audit (a walk up every mount's path) runs while they are.
 	logWarnings(d.log, cfg)
-	d.rec = reconcile.New(d.pop, owned, trigger, d.log, reconcile.Options{
+	d.rec = reconcile.New(desired, owned, trigger, d.log, reconcile.Options{
 		ResyncInterval: cfg.ResyncInterval,
 		Abort:          opts.Abort,
 		Observer:       observers,
@@ -185,17 +207,19 @@ func escapeAttr(_ []string, a slog.Attr) slog.Attr {
 	return a
 }
 
-// openSources opens every source of cfg, reusing the instances whose
-// configuration did not change. On error it closes what it opened.
-func (d *daemon) openSources(cfg *config.Config) (map[string]instance, error) {
+// openSources opens every source of cfg, reusing the instances of running
+// whose configuration did not change; files, when not nil, is where the
+// sources read credential files again (source.Env.Files). On error it
+// closes what it opened.
+func openSources(registry *source.Registry, running map[string]instance, cfg *config.Config, log *slog.Logger, files config.Files) (map[string]instance, error) {
 	out := make(map[string]instance, len(cfg.Sources))
 	var fresh []source.Source
 	for name, sc := range cfg.Sources {
-		if old, ok := d.sources[name]; ok && reflect.DeepEqual(old.cfg, sc) {
+		if old, ok := running[name]; ok && reflect.DeepEqual(old.cfg, sc) {
 			out[name] = old
 			continue
 		}
-		src, err := d.opts.Registry.Open(sc, source.Env{Log: d.log})
+		src, err := registry.Open(sc, source.Env{Log: log, Files: files})
 		if err != nil {
 			for _, s := range fresh {
 				s.Close()
@@ -242,6 +266,26 @@ func (d *daemon) close() {
 	d.lock.release()
 }
 
+// reloadSplit applies cfg with a worker: the monitor's mounts first (a
+// new mount waits for the worker's payload, a removed one is torn down),
+// then the worker's configuration; when the worker refuses it, the
+// monitor's mounts go back to the running configuration's. It reports
+// whether cfg is in force.
+func (d *daemon) reloadSplit(ctx context.Context, cfg *config.Config, rec *config.Recorder) bool {
+	if err := d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: cfg.Mounts, ResyncInterval: cfg.ResyncInterval}); err != nil {
+		d.log.Error("cannot apply mounts", "err", err)
+		return false
+	}
+	if err := d.monitor.reconfigure(ctx, d.cfg, cfg, rec); err != nil {
+		d.log.Error("the worker cannot apply the configuration; the running one stays in force", "err", err)
+		if err := d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: d.cfg.Mounts}); err != nil {
+			d.log.Error("cannot apply mounts", "err", err)
+		}
+		return false
+	}
+	return true
+}
+
 // Run runs the daemon until ctx is done, re-reading the configuration on
 // each Options.Reload. It holds an exclusive lock on the state directory
 // for its whole life; another instance holding it makes Run return an
@@ -268,6 +312,9 @@ func Run(ctx context.Context, opts Options) error {
 		return nil
 	})
 	g.Go(func() error { return d.rec.Run(gctx) })
+	if d.monitor != nil {
+		g.Go(func() error { return d.monitor.run(gctx) })
+	}
 	d.admin.SetEndpoints(admin.Endpoints{Address: d.cfg.Admin, Socket: d.cfg.AdminSocket})
 	g.Go(func() error { return d.admin.Run(gctx) })
 	if opts.WatchdogInterval > 0 {
@@ -298,7 +345,8 @@ func Run(ctx context.Context, opts Options) error {
 func (d *daemon) reload(ctx context.Context) {
 	d.service.send("reloading")
 	defer d.service.send("ready")
-	cfg, err := config.Load(d.opts.ConfigPath, d.opts.Registry.Decoders())
+	rec := &config.Recorder{}
+	cfg, err := config.LoadWith(d.opts.ConfigPath, d.opts.Registry.Decoders(), rec)
 	if err != nil {
 		d.log.Error("invalid configuration; the running one stays in force", "config", d.opts.ConfigPath, "err", err)
 		return
@@ -310,18 +358,24 @@ func (d *daemon) reload(ctx context.Context) {
 	if cfg.LogFormat != d.cfg.LogFormat {
 		d.log.Warn("log_format changes take effect at restart", "running", d.cfg.LogFormat, "configured", cfg.LogFormat)
 	}
-	opened, err := d.openSources(cfg)
-	if err != nil {
-		d.log.Error("cannot open sources; the running configuration stays in force", "err", err)
-		return
-	}
-	// Sources and the mounts that use them change in one step of the
-	// reconciler's loop.
-	err = d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: cfg.Mounts, Sources: sourceMap(opened), ResyncInterval: cfg.ResyncInterval})
-	d.sources = opened
-	if err != nil {
-		d.log.Error("cannot apply mounts", "err", err)
-		return
+	if d.monitor != nil {
+		if !d.reloadSplit(ctx, cfg, rec) {
+			return
+		}
+	} else {
+		opened, err := openSources(d.opts.Registry, d.sources, cfg, d.log, nil)
+		if err != nil {
+			d.log.Error("cannot open sources; the running configuration stays in force", "err", err)
+			return
+		}
+		// Sources and the mounts that use them change in one step of the
+		// reconciler's loop.
+		err = d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: cfg.Mounts, Sources: sourceMap(opened), ResyncInterval: cfg.ResyncInterval})
+		d.sources = opened
+		if err != nil {
+			d.log.Error("cannot apply mounts", "err", err)
+			return
+		}
 	}
 	d.notifier.SetMounts(cfg.Mounts)
 	d.admin.SetEndpoints(admin.Endpoints{Address: cfg.Admin, Socket: cfg.AdminSocket})

@@ -127,7 +127,7 @@ func (h *harness) mount(name, prefix string, extra ...string) string {
 func (h *harness) options() Options {
 	return Options{
 		ConfigPath: h.config,
-		Registry:   source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind(), vault.Kind()),
+		Registry:   testRegistry(),
 		LogOutput:  h.logs,
 	}
 }
@@ -378,4 +378,10 @@ func (h *harness) proxyEtcd() *faultproxy.Proxy {
 	h.t.Cleanup(proxy.Close)
 	h.endpoint = "http://" + proxy.Addr()
 	return proxy
+}
+
+// testRegistry is the registry of the tests: every source kind of
+// kvmount's.
+func testRegistry() *source.Registry {
+	return source.NewRegistry(etcd.Kind(), consul.Kind(), httpsource.Kind(), vault.Kind())
 }

@@ -1,6 +1,8 @@
 package privsep
 
 import (
+	"golang.org/x/sys/unix"
+
 	"fmt"
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
@@ -81,7 +83,13 @@ func Confine(p Policy) (Confinement, error) {
 		Flag:       seccomp.FilterFlagTSync,
 		Policy: seccomp.Policy{
 			DefaultAction: seccomp.ActionAllow,
-			Syscalls:      []seccomp.SyscallGroup{{Action: seccomp.ActionErrno, Names: deniedSyscalls()}},
+			Syscalls: []seccomp.SyscallGroup{
+				{Action: seccomp.ActionErrno, Names: deniedSyscalls()},
+				// clone3 is "not implemented": glibc's pthread_create (a
+				// cgo program's threads) falls back to clone then, and
+				// fails on EPERM.
+				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: []string{"clone3"}},
+			},
 		},
 	}
 	if err := seccomp.LoadFilter(filter); err != nil {
@@ -92,7 +100,8 @@ func Confine(p Policy) (Confinement, error) {
 }
 
 // deniedSyscalls are the system calls a worker never makes, refused with
-// EPERM: mounting and namespaces, tracing and reading other processes'
+// EPERM (and clone3, whose namespace flags clone's filter cannot see, with
+// ENOSYS): mounting and namespaces, tracing and reading other processes'
 // memory, changing its identity or files' owners, executing a program,
 // loading kernel code or BPF, io_uring (which bypasses this filter), and
 // the host's clocks, keys, swap and reboot. Go's runtime and net package
@@ -100,7 +109,7 @@ func Confine(p Policy) (Confinement, error) {
 func deniedSyscalls() []string {
 	return append([]string{
 		"mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount", "fsconfig", "fspick",
-		"move_mount", "open_tree", "mount_setattr", "unshare", "setns", "clone3",
+		"move_mount", "open_tree", "mount_setattr", "unshare", "setns",
 		"ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
 		"setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setfsuid", "setfsgid",
 		"setgroups", "capset", "fchown", "fchownat", "mknodat",

@@ -271,6 +271,7 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	s.seq++
 	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts}
 	l.queue = configMessages(s.cfg, s.seq)
+	l.wake <- struct{}{}
 	s.link, s.restart = l, restart
 	s.mu.Unlock()
 	writeDone := make(chan struct{})

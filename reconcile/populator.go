@@ -205,6 +205,10 @@ func (p *Populator) SetSources(sources map[string]source.Source) {
 	p.cache.SetSources(sources)
 }
 
+// SetObserver makes o receive the populator's events (SourceEvent,
+// HeldBackEvent); the Reconciler sets it.
+func (p *Populator) SetObserver(o Observer) { p.observer = o }
+
 // WakeOnBuild makes f be called whenever a payload build that runs off the
 // caller's loop ends (a mount with templates), so that the loop calls
 // Populate again; the Reconciler sets its trigger.

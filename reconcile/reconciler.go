@@ -73,7 +73,7 @@ type Options struct {
 // at most, as the kubelet's operation executor runs them.
 type Reconciler struct {
 	log     *slog.Logger
-	pop     *Populator
+	pop     Desired
 	owned   *Owned
 	trigger Trigger
 	opts    Options
@@ -118,6 +118,27 @@ type adoptRequest struct {
 	done  chan error
 }
 
+// Desired builds the desired state of world for the Reconciler: the
+// Populator, from the sources' snapshots in this process, or the monitor's
+// copy of what its worker built (privsep.Remote). Its methods are called
+// on the reconciler's loop.
+type Desired interface {
+	// Populate returns the desired state of world, up to date (see
+	// Populator.Populate).
+	Populate() DesiredState
+	// SetMounts makes mounts the configured mounts (see
+	// Populator.SetMounts).
+	SetMounts(mounts []*config.Mount) error
+	// SetSources replaces the sources the mounts read.
+	SetSources(sources map[string]source.Source)
+	// WakeOnBuild makes f be called whenever the desired state changed
+	// off the loop, so that the loop calls Populate again.
+	WakeOnBuild(f func())
+	// SetObserver makes o receive the desired state's events
+	// (SourceEvent, HeldBackEvent), from Populate.
+	SetObserver(o Observer)
+}
+
 // ReloadConfig is what a reload changes.
 type ReloadConfig struct {
 	// Mounts are the configured mounts (see Populator.SetMounts).
@@ -136,14 +157,14 @@ type ReloadConfig struct {
 // when not. The digest of each one's content is read from its manifest's
 // head (projector.PeekDigest), so that the mounts whose content changed
 // while kvmount was not running are written first.
-func New(pop *Populator, owned *Owned, trigger Trigger, log *slog.Logger, opts Options) *Reconciler {
+func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Options) *Reconciler {
 	if opts.ResyncInterval <= 0 {
 		opts.ResyncInterval = config.DefaultResyncInterval
 	}
 	if opts.Observer == nil {
 		opts.Observer = discardObserver{}
 	}
-	pop.observer = opts.Observer
+	pop.SetObserver(opts.Observer)
 	pop.WakeOnBuild(trigger.Fire)
 	r := &Reconciler{
 		log: log, pop: pop, owned: owned, trigger: trigger, opts: opts,

@@ -42,6 +42,8 @@ const (
 )
 
 func main() {
+	// The daemon's worker is this program started again (privsep).
+	daemon.MaybeWorker(registry())
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
+	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/testlog"
 )
@@ -27,6 +28,9 @@ const waitTimeout = 30 * time.Second
 var kvmountBin string
 
 func TestMain(m *testing.M) {
+	// The commands run in this process start this binary again as their
+	// worker.
+	daemon.MaybeWorker(registry())
 	dir, err := os.MkdirTemp("", "kvmount-bin")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

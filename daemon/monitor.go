@@ -1,0 +1,187 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/user"
+	"reflect"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/privsep"
+)
+
+// WorkerUser is the user the worker runs as, which the packages create
+// (sysusers.d). Where it does not exist, the worker runs as a user id of
+// systemd's dynamic range that no user or group holds (DynamicUser=).
+const WorkerUser = "kvmount"
+
+// Dynamic user ids, as systemd allocates them for DynamicUser= (systemd's
+// "UID/GID Ranges": 61184–65519).
+const (
+	dynamicFirst = 61184
+	dynamicLast  = 65519
+)
+
+// workerIdentity returns the worker's user and group: name's, else the
+// first id of the dynamic range that neither a user nor a group holds.
+func workerIdentity(name string) (privsep.Identity, error) {
+	if u, err := user.Lookup(name); err == nil {
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		if uid == 0 || gid == 0 {
+			return privsep.Identity{}, fmt.Errorf("the worker's user %s is root, or in root's group", name)
+		}
+		return privsep.Identity{UID: uid, GID: gid}, nil
+	}
+	for id := dynamicFirst; id <= dynamicLast; id++ {
+		s := strconv.Itoa(id)
+		if _, err := user.LookupId(s); err == nil {
+			continue
+		}
+		if _, err := user.LookupGroupId(s); err == nil {
+			continue
+		}
+		return privsep.Identity{UID: id, GID: id}, nil
+	}
+	return privsep.Identity{}, fmt.Errorf("no user %s, and no free id in %d–%d for the worker", name, dynamicFirst, dynamicLast)
+}
+
+// workerCommand returns the worker's command: this very program
+// (/proc/self/exe, whatever replaced its file since), with WorkerEnv set,
+// in /, in a process group of its own (a terminal's signals are the
+// monitor's to pass on), with an environment of its own.
+func workerCommand() *exec.Cmd {
+	cmd := exec.Command("/proc/self/exe")
+	cmd.Args = []string{"kvmount-worker"}
+	cmd.Dir = "/"
+	cmd.Env = []string{WorkerEnv + "=worker", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+	if v, ok := os.LookupEnv("GORACE"); ok {
+		cmd.Env = append(cmd.Env, "GORACE="+v)
+	}
+	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	return cmd
+}
+
+// monitor is the privileged half's link to its worker: the supervisor,
+// the desired state the worker's reports build, and the credential files
+// the worker may ask it for.
+type monitor struct {
+	log     *slog.Logger
+	super   *privsep.Supervisor
+	remote  *privsep.Remote
+	rereads atomic.Pointer[[]string]
+}
+
+// newMonitor returns the monitor of cfg, whose files rec read; the worker
+// starts when its supervisor runs.
+func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, workerUser string) (*monitor, error) {
+	id, err := workerIdentity(workerUser)
+	if err != nil {
+		return nil, err
+	}
+	m := &monitor{log: log, remote: privsep.NewRemote()}
+	m.super = &privsep.Supervisor{
+		Command: workerCommand, Identity: id, Log: log,
+		OnPayload: m.remote.HandlePayload, OnMessage: m.handle,
+	}
+	if err := m.remote.SetMounts(cfg.Mounts); err != nil {
+		return nil, err
+	}
+	m.setRereads(cfg)
+	if err := m.super.Configure(context.Background(), configuration(cfg, rec), false); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// configuration returns what a worker is given to run cfg.
+func configuration(cfg *config.Config, rec *config.Recorder) privsep.Configuration {
+	inputs := rec.Recorded()
+	inputs[cfg.Path] = cfg.Text
+	return privsep.Configuration{Config: cfg.Path, Inputs: inputs, Mounts: privsep.Mounts(cfg.Mounts)}
+}
+
+// setRereads makes the credential files of cfg's sources the ones the
+// worker may ask for.
+func (m *monitor) setRereads(cfg *config.Config) {
+	var names []string
+	for _, src := range cfg.Sources {
+		if r, ok := src.Settings.(config.RereadFiles); ok {
+			names = append(names, r.RereadFiles()...)
+		}
+	}
+	m.rereads.Store(&names)
+}
+
+// handle takes the worker's messages other than payloads: its log
+// records, logged here; a credential file asked for, read here if the
+// configuration names it so; reports, for the desired state.
+func (m *monitor) handle(msg privsep.Message) {
+	switch msg := msg.(type) {
+	case *privsep.Log:
+		attrs := make([]slog.Attr, 0, len(msg.Attrs)/2+1)
+		for i := 0; i+1 < len(msg.Attrs); i += 2 {
+			attrs = append(attrs, slog.String(msg.Attrs[i], msg.Attrs[i+1]))
+		}
+		attrs = append(attrs, slog.String("from", "worker"))
+		level := min(max(slog.Level(msg.Level), slog.LevelDebug), slog.LevelError)
+		m.log.LogAttrs(context.Background(), level, msg.Message, attrs...)
+	case *privsep.Reread:
+		answer := &privsep.Credential{Name: msg.Name}
+		if !slices.Contains(*m.rereads.Load(), msg.Name) {
+			answer.Err = fmt.Sprintf("%s is not a credential file the configuration reads again", msg.Name)
+			m.log.Warn("the worker asked for a file the configuration does not name; refused", "file", msg.Name)
+		} else if s, err := config.ReadSecretFile(msg.Name); err != nil {
+			answer.Err = err.Error()
+		} else {
+			answer.Value = []byte(s.Reveal())
+		}
+		m.super.Send(answer)
+	default:
+		m.remote.HandleMessage(msg)
+	}
+}
+
+// applyTimeout bounds the wait for the worker to apply a reloaded
+// configuration.
+const applyTimeout = 30 * time.Second
+
+// reconfigure hands cfg to the worker — a new worker when cfg's stores
+// need another Landlock policy than old's — and waits for it to apply it.
+func (m *monitor) reconfigure(ctx context.Context, old, cfg *config.Config, rec *config.Recorder) error {
+	oldPolicy, _ := privsep.PolicyFor(old)
+	newPolicy, err := privsep.PolicyFor(cfg)
+	if err != nil {
+		return err
+	}
+	restart := !reflect.DeepEqual(oldPolicy, newPolicy)
+	ctx, cancel := context.WithTimeout(ctx, applyTimeout)
+	defer cancel()
+	m.setRereads(cfg)
+	if err := m.super.Configure(ctx, configuration(cfg, rec), restart); err != nil {
+		m.setRereads(old)
+		return err
+	}
+	if restart {
+		m.log.Info("the configuration reaches other stores: the worker starts again with them")
+	}
+	return nil
+}
+
+// run runs the worker until ctx is done.
+func (m *monitor) run(ctx context.Context) error {
+	err := m.super.Run(ctx)
+	if ctx.Err() != nil {
+		return nil
+	}
+	return err
+}

@@ -1,0 +1,418 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"os"
+	"os/signal"
+	"reflect"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/privsep"
+	"github.com/kvmount/kvmount/reconcile"
+	"github.com/kvmount/kvmount/source"
+)
+
+// WorkerEnv is the environment variable that makes kvmount — or a test
+// binary that calls MaybeWorker first — run as the worker: the monitor
+// starts itself again (/proc/self/exe) with WorkerEnv=worker.
+const WorkerEnv = "KVMOUNT_PRIVSEP"
+
+// MaybeWorker runs the worker and exits when WorkerEnv says so; else it
+// returns at once. main and the TestMain of packages that run the daemon
+// call it first.
+func MaybeWorker(registry *source.Registry) {
+	if os.Getenv(WorkerEnv) != "worker" {
+		return
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
+	err := RunWorker(ctx, privsep.WorkerConn(), registry)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "kvmount worker:", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// worker is the unprivileged half of the daemon: the sources, their cache
+// and the populator, whose desired state it sends to the monitor.
+type worker struct {
+	registry *source.Registry
+	send     *sender
+	level    *slog.LevelVar
+	log      *slog.Logger
+	trigger  reconcile.Trigger
+	cfg      *config.Config
+	policy   privsep.Policy
+	sources  map[string]instance
+	cache    *source.Cache
+	pop      *reconcile.Populator
+	// sent is the desired mount last reported of each mount, and
+	// payloadGen the generation whose payload was last sent.
+	sent       map[string]*reconcile.DesiredMount
+	payloadGen map[string]uint64
+	rereads    *rereads
+}
+
+// applyRequest is an Apply with the inputs sent before it.
+type applyRequest struct {
+	apply  *privsep.Apply
+	inputs map[string][]byte
+}
+
+// RunWorker runs the worker on conn, its socket to the monitor, until ctx
+// is done or the monitor closes it: it takes its configuration from the
+// monitor (Input, Apply), confines itself (privsep.Confine, with the
+// policy of the configuration's stores) before it opens a source, and
+// reports every mount's desired state and payload. It returns an error
+// when its first configuration cannot be applied, or the link breaks the
+// protocol.
+func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) error {
+	defer conn.Close()
+	w := &worker{
+		registry: registry, send: &sender{enc: privsep.NewEncoder(conn)}, level: new(slog.LevelVar),
+		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{},
+	}
+	w.rereads = &rereads{send: w.send, waiting: map[string][]chan *privsep.Credential{}}
+	w.log = slog.New(&workerHandler{send: w.send, level: w.level})
+	applies := make(chan applyRequest)
+	readErr := make(chan error, 1)
+	go func() { readErr <- w.read(conn, applies) }()
+	defer w.close()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case err := <-readErr:
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		case req := <-applies:
+			err := w.apply(req)
+			msg := &privsep.Applied{Seq: req.apply.Seq}
+			if err != nil {
+				msg.Err = clip(err.Error(), privsep.MaxDetailLen)
+			}
+			if serr := w.send.send(msg); serr != nil {
+				return serr
+			}
+			if err != nil && w.cfg == nil {
+				return err
+			}
+		case <-w.trigger:
+		}
+		if w.pop != nil {
+			if err := w.publish(); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// read decodes the monitor's messages: Inputs gathered until an Apply,
+// Credentials handed to the reads waiting for them.
+func (w *worker) read(r io.Reader, applies chan<- applyRequest) error {
+	d := privsep.NewDecoder(r, privsep.FromMonitor)
+	inputs := map[string][]byte{}
+	for {
+		m, err := d.Decode()
+		if err != nil {
+			return err
+		}
+		switch m := m.(type) {
+		case *privsep.Input:
+			inputs[m.Name] = m.Value
+		case *privsep.Apply:
+			applies <- applyRequest{apply: m, inputs: inputs}
+			inputs = map[string][]byte{}
+		case *privsep.Credential:
+			w.rereads.answer(m)
+		}
+	}
+}
+
+// apply runs the configuration req gives: the first one confines the
+// worker and opens everything; a later one is a reload, as the in-process
+// daemon's (changed sources reopened, mounts set). A configuration whose
+// stores lie outside the worker's Landlock policy is refused: the monitor
+// starts a new worker for it.
+func (w *worker) apply(req applyRequest) error {
+	text, ok := req.inputs[req.apply.Config]
+	if !ok {
+		return fmt.Errorf("no input %q holds the configuration", req.apply.Config)
+	}
+	cfg, err := config.ParseWith(req.apply.Config, text, w.registry.Decoders(), config.Replay(req.inputs))
+	if err != nil {
+		return err
+	}
+	policy, err := privsep.PolicyFor(cfg)
+	if err != nil {
+		return err
+	}
+	if w.cfg == nil {
+		if _, err := privsep.Confine(policy); err != nil {
+			return err
+		}
+		w.policy = policy
+		w.cache = source.NewCache(w.log, w.trigger.Fire)
+		w.pop = reconcile.NewPopulator(w.cache, w.log)
+		w.pop.SetObserver(reconcile.ObserverFunc(w.forward))
+		w.pop.WakeOnBuild(w.trigger.Fire)
+	} else if !reflect.DeepEqual(policy, w.policy) {
+		return errors.New("the configuration reaches stores outside the worker's Landlock policy; a new worker is needed")
+	}
+	opened, err := openSources(w.registry, w.sources, cfg, w.log, w.rereads)
+	if err != nil {
+		return err
+	}
+	w.cache.SetSources(sourceMap(opened))
+	w.sources = opened
+	if err := w.pop.SetMounts(cfg.Mounts); err != nil {
+		return err
+	}
+	w.level.Set(cfg.LogLevel)
+	w.cfg = cfg
+	w.trigger.Fire()
+	return nil
+}
+
+// close stops the follows and closes the sources (the cache first, so
+// that follows end as a stop, not as a release whose leases a source
+// revokes: the next worker keeps them).
+func (w *worker) close() {
+	if w.cache != nil {
+		w.cache.Close()
+	}
+	if w.pop != nil {
+		w.pop.Close()
+	}
+}
+
+// forward sends the populator's events that the monitor reports.
+func (w *worker) forward(ev reconcile.Event) {
+	switch ev := ev.(type) {
+	case reconcile.SourceEvent:
+		st := &privsep.State{Source: ev.Source, Revision: boundRevision(ev.Revision)}
+		if ev.Err != nil {
+			st.Err = clip(ev.Err.Error(), privsep.MaxDetailLen)
+		}
+		_ = w.send.send(st)
+	case reconcile.HeldBackEvent:
+		_ = w.send.send(&privsep.HeldBack{Mount: ev.Mount, Guard: ev.Guard, Reason: clip(ev.Reason, privsep.MaxDetailLen), Revision: boundRevision(ev.Revision)})
+	}
+}
+
+// publish sends the state of every mount whose desired state changed, and
+// its payload when it has a new one.
+func (w *worker) publish() error {
+	dsw := w.pop.Populate()
+	for name := range w.sent {
+		if dsw[name] == nil {
+			delete(w.sent, name)
+			delete(w.payloadGen, name)
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(dsw)) {
+		d := dsw[name]
+		if w.sent[name] == d {
+			continue
+		}
+		w.sent[name] = d
+		st := &privsep.MountState{Mount: name, Generation: d.Generation, Revision: boundRevision(d.Revision), Waiting: d.Waiting}
+		if d.Err != nil {
+			st.Err = clip(d.Err.Error(), privsep.MaxDetailLen)
+		}
+		if len(st.Waiting) > privsep.MaxListLen {
+			st.Waiting = st.Waiting[:privsep.MaxListLen]
+		}
+		for _, err := range d.Stale {
+			if len(st.Stale) < privsep.MaxListLen {
+				st.Stale = append(st.Stale, clip(err.Error(), privsep.MaxDetailLen))
+			}
+		}
+		msgs := []privsep.Message{st}
+		if d.Ready() && w.payloadGen[name] != d.Generation {
+			w.payloadGen[name] = d.Generation
+			if err := w.send.payload(st, d); err != nil {
+				return err
+			}
+			continue
+		}
+		if err := w.send.send(msgs...); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// boundRevision returns a mount's revision within the protocol's bound:
+// as it is, or its digest (source.BoundRevision).
+func boundRevision(rev string) string {
+	if len(rev) <= privsep.MaxRevisionLen {
+		return rev
+	}
+	return source.BoundRevision(rev)
+}
+
+// clip returns s cut to at most n bytes.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return s[:n]
+}
+
+// sender writes the worker's messages to the monitor, from any goroutine.
+type sender struct {
+	mu  sync.Mutex
+	enc *privsep.Encoder
+}
+
+// send writes msgs and flushes them.
+func (s *sender) send(msgs ...privsep.Message) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, m := range msgs {
+		if err := s.enc.Encode(m); err != nil {
+			return err
+		}
+	}
+	return s.enc.Flush()
+}
+
+// payload writes st and then d's payload, its files in path order.
+func (s *sender) payload(st *privsep.MountState, d *reconcile.DesiredMount) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.enc.Encode(st); err != nil {
+		return err
+	}
+	if err := s.enc.Encode(&privsep.Begin{Mount: st.Mount, Revision: st.Revision, Files: uint32(len(d.Payload))}); err != nil {
+		return err
+	}
+	for _, p := range slices.Sorted(maps.Keys(d.Payload)) {
+		f := d.Payload[p]
+		if err := s.enc.EncodeFile(p, uint32(f.Mode.Perm()), f.Data); err != nil {
+			return err
+		}
+	}
+	if err := s.enc.Encode(&privsep.Commit{}); err != nil {
+		return err
+	}
+	return s.enc.Flush()
+}
+
+// rereadTimeout bounds the wait for the monitor's answer to a Reread.
+const rereadTimeout = 10 * time.Second
+
+// rereads is the worker's config.Files for the credential files a source
+// reads again while it runs: each read is a Reread to the monitor, which
+// answers with the file's content or why it cannot.
+type rereads struct {
+	send    *sender
+	mu      sync.Mutex
+	waiting map[string][]chan *privsep.Credential
+}
+
+// Read implements config.Files.
+func (r *rereads) Read(name string, limit int64) ([]byte, *unix.Stat_t, error) {
+	ch := make(chan *privsep.Credential, 1)
+	r.mu.Lock()
+	r.waiting[name] = append(r.waiting[name], ch)
+	r.mu.Unlock()
+	if err := r.send.send(&privsep.Reread{Name: name}); err != nil {
+		return nil, nil, err
+	}
+	select {
+	case c := <-ch:
+		if c.Err != "" {
+			return nil, nil, errors.New(c.Err)
+		}
+		return config.Replay{name: c.Value}.Read(name, limit)
+	case <-time.After(rereadTimeout):
+		return nil, nil, fmt.Errorf("%s: the monitor did not answer within %v", name, rereadTimeout)
+	}
+}
+
+// answer hands c to the reads waiting for its file.
+func (r *rereads) answer(c *privsep.Credential) {
+	r.mu.Lock()
+	chans := r.waiting[c.Name]
+	delete(r.waiting, c.Name)
+	r.mu.Unlock()
+	for _, ch := range chans {
+		ch <- c
+	}
+}
+
+// workerHandler is the worker's slog.Handler: each record goes to the
+// monitor as a Log message, its attributes as strings, which the monitor
+// logs with its own handler (escaping them).
+type workerHandler struct {
+	send  *sender
+	level slog.Leveler
+	attrs []string
+	group string
+}
+
+func (h *workerHandler) Enabled(_ context.Context, l slog.Level) bool {
+	return l >= h.level.Level()
+}
+
+func (h *workerHandler) Handle(_ context.Context, r slog.Record) error {
+	attrs := slices.Clone(h.attrs)
+	r.Attrs(func(a slog.Attr) bool {
+		attrs = appendAttr(attrs, h.group, a)
+		return true
+	})
+	if len(attrs) > privsep.MaxListLen {
+		attrs = attrs[:privsep.MaxListLen]
+	}
+	return h.send.send(&privsep.Log{Level: int32(r.Level), Message: clip(r.Message, privsep.MaxDetailLen), Attrs: attrs})
+}
+
+func (h *workerHandler) WithAttrs(as []slog.Attr) slog.Handler {
+	c := *h
+	c.attrs = slices.Clone(h.attrs)
+	for _, a := range as {
+		c.attrs = appendAttr(c.attrs, h.group, a)
+	}
+	return &c
+}
+
+func (h *workerHandler) WithGroup(name string) slog.Handler {
+	c := *h
+	c.group = h.group + name + "."
+	return &c
+}
+
+// appendAttr appends a's key, with group before it, and its value as a
+// string; a group's attributes one by one.
+func appendAttr(out []string, group string, a slog.Attr) []string {
+	v := a.Value.Resolve()
+	if v.Kind() == slog.KindGroup {
+		for _, g := range v.Group() {
+			out = appendAttr(out, group+a.Key+".", g)
+		}
+		return out
+	}
+	var s string
+	if err, ok := v.Any().(error); ok && v.Kind() == slog.KindAny {
+		s = err.Error()
+	} else {
+		s = v.String()
+	}
+	return append(out, clip(group+a.Key, privsep.MaxDetailLen), clip(s, privsep.MaxDetailLen))
+}

@@ -1,0 +1,268 @@
+package privsep
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/reconcile"
+	"github.com/kvmount/kvmount/source"
+)
+
+// Remote is the monitor's desired state of world (reconcile.Desired),
+// built from what the worker reports — its mounts' states and payloads,
+// its sources' states — instead of from snapshots. It takes the worker's
+// word for nothing the configuration settles: a report of a mount or a
+// source the configuration does not have is dropped, owners come from
+// the configuration, and payloads have passed the Assembler. A payload
+// equal to the one desired keeps its generation, so that a restarted
+// worker's first payloads rewrite nothing. Its Handle methods are called
+// from the goroutine that reads the worker; Populate from the
+// reconciler's loop.
+type Remote struct {
+	mu     sync.Mutex
+	mounts map[string]*remoteMount
+	// sources are the sources the mounts read.
+	sources map[string]bool
+	// events wait for the next Populate, in order.
+	events   []reconcile.Event
+	observer reconcile.Observer
+	wake     func()
+	// generation numbers desired payloads; it only grows.
+	generation uint64
+	dsw        reconcile.DesiredState
+}
+
+// remoteMount is the Remote's record of one mount.
+type remoteMount struct {
+	spec *config.Mount
+	// state is the worker's last report, nil before the first.
+	state *MountState
+	// payload came after the report of generation payloadGen.
+	payload    projector.Payload
+	revision   string
+	payloadGen uint64
+	payloadNew bool
+	desired    *reconcile.DesiredMount
+	dirty      bool
+}
+
+// NewRemote returns a Remote with no mounts.
+func NewRemote() *Remote {
+	return &Remote{mounts: map[string]*remoteMount{}, sources: map[string]bool{}, observer: reconcile.ObserverFunc(func(reconcile.Event) {})}
+}
+
+// SetObserver implements reconcile.Desired.
+func (r *Remote) SetObserver(o reconcile.Observer) { r.observer = o }
+
+// WakeOnBuild implements reconcile.Desired: f is called whenever the
+// worker reported something.
+func (r *Remote) WakeOnBuild(f func()) {
+	r.mu.Lock()
+	r.wake = f
+	r.mu.Unlock()
+}
+
+// SetSources implements reconcile.Desired; the worker holds the sources.
+func (r *Remote) SetSources(map[string]source.Source) {}
+
+// SetMounts implements reconcile.Desired: a mount whose configuration is
+// unchanged keeps its desired state; a new or changed one waits for the
+// worker's report. It returns nil.
+func (r *Remote) SetMounts(mounts []*config.Mount) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	next := make(map[string]*remoteMount, len(mounts))
+	sources := map[string]bool{}
+	for _, m := range mounts {
+		for _, pr := range m.Projections {
+			sources[pr.Source] = true
+		}
+		if old, ok := r.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) {
+			next[m.Name] = old
+			continue
+		}
+		next[m.Name] = &remoteMount{spec: m, dirty: true}
+	}
+	r.mounts, r.sources, r.dsw = next, sources, nil
+	return nil
+}
+
+// HandlePayload takes a payload the Assembler checked: it becomes its
+// mount's desired payload at the next Populate, owned as the mount's
+// configuration says. A payload of a mount not configured is dropped.
+func (r *Remote) HandlePayload(p *Payload) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rm := r.mounts[p.Mount]
+	if rm == nil || rm.state == nil {
+		return
+	}
+	uid, gid := ownerID(rm.spec.UID, os.Geteuid()), ownerID(rm.spec.GID, os.Getegid())
+	for name, f := range p.Files {
+		f.UID, f.GID = uid, gid
+		p.Files[name] = f
+	}
+	rm.payload, rm.revision, rm.payloadGen, rm.payloadNew = p.Files, p.Revision, rm.state.Generation, true
+	r.touch(rm)
+}
+
+// HandleMessage takes one of the worker's reports: a MountState,
+// State or HeldBack. Reports of mounts and sources the configuration
+// does not have, and held-back payloads of another guard rail than the
+// worker's three, are dropped.
+func (r *Remote) HandleMessage(m Message) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	switch m := m.(type) {
+	case *MountState:
+		if rm := r.mounts[m.Mount]; rm != nil {
+			rm.state = m
+			r.touch(rm)
+		}
+	case *State:
+		if !r.sources[m.Source] {
+			return
+		}
+		ev := reconcile.SourceEvent{Source: m.Source, Revision: m.Revision, Time: time.Now()}
+		if m.Err != "" {
+			ev.Err = errors.New(m.Err)
+		}
+		r.event(ev)
+	case *HeldBack:
+		switch m.Guard {
+		case "max_value_size", "max_mount_size", "max_files":
+		default:
+			return
+		}
+		if r.mounts[m.Mount] == nil {
+			return
+		}
+		r.event(reconcile.HeldBackEvent{Mount: m.Mount, Guard: m.Guard, Reason: m.Reason, Revision: m.Revision, Time: time.Now()})
+	}
+}
+
+// touch marks rm for the next Populate and wakes the loop.
+func (r *Remote) touch(rm *remoteMount) {
+	rm.dirty = true
+	if r.wake != nil {
+		r.wake()
+	}
+}
+
+// event queues ev for the next Populate and wakes the loop.
+func (r *Remote) event(ev reconcile.Event) {
+	r.events = append(r.events, ev)
+	if r.wake != nil {
+		r.wake()
+	}
+}
+
+// Populate implements reconcile.Desired: the desired state of every
+// configured mount, from the worker's last reports. The events reported
+// since the last call go to the observer first. The map returned is
+// updated in place by the next call.
+func (r *Remote) Populate() reconcile.DesiredState {
+	r.mu.Lock()
+	events := r.events
+	r.events = nil
+	fresh := r.dsw == nil
+	if fresh {
+		r.dsw = make(reconcile.DesiredState, len(r.mounts))
+	}
+	for name, rm := range r.mounts {
+		if rm.dirty || rm.desired == nil {
+			rm.desired = r.build(rm)
+			rm.dirty = false
+			r.dsw[name] = rm.desired
+		} else if fresh {
+			r.dsw[name] = rm.desired
+		}
+	}
+	dsw := r.dsw
+	r.mu.Unlock()
+	for _, ev := range events {
+		r.observer.Observe(ev)
+	}
+	return dsw
+}
+
+// build returns rm's desired mount from the worker's last reports.
+func (r *Remote) build(rm *remoteMount) *reconcile.DesiredMount {
+	prev := rm.desired
+	st := rm.state
+	d := &reconcile.DesiredMount{Spec: rm.spec}
+	if st == nil {
+		// Nothing reported yet: waiting for every source, as the
+		// populator's mounts wait for their first snapshots.
+		for _, pr := range rm.spec.Projections {
+			if !slices.Contains(d.Waiting, pr.Source) {
+				d.Waiting = append(d.Waiting, pr.Source)
+			}
+		}
+		return d
+	}
+	d.Waiting, d.Revision = st.Waiting, st.Revision
+	for _, s := range st.Stale {
+		d.Stale = append(d.Stale, errors.New(s))
+	}
+	switch {
+	case len(st.Waiting) > 0 && prev != nil && prev.Payload != nil:
+		// A worker started again, whose sources have not answered yet:
+		// the payload stays desired, stale meanwhile.
+		d.Payload, d.Generation, d.ChangedAt, d.Revision, d.Waiting = prev.Payload, prev.Generation, prev.ChangedAt, prev.Revision, nil
+		for _, w := range st.Waiting {
+			d.Stale = append(d.Stale, fmt.Errorf("source %q: no snapshot yet since the worker started", w))
+		}
+	case len(st.Waiting) > 0:
+	case st.Err != "":
+		d.Err = errors.New(st.Err)
+		if prev != nil && prev.Payload == nil && prev.Err != nil && prev.Err.Error() == st.Err {
+			d.Generation, d.ChangedAt = prev.Generation, prev.ChangedAt
+		} else {
+			r.generation++
+			d.Generation, d.ChangedAt = r.generation, time.Now()
+		}
+	case rm.payload != nil && rm.payloadGen == st.Generation:
+		d.Payload, d.Revision = rm.payload, rm.revision
+		if prev != nil && prev.Payload != nil && (!rm.payloadNew || prev.Payload.Equal(rm.payload)) {
+			d.Generation, d.ChangedAt = prev.Generation, prev.ChangedAt
+			d.Payload = prev.Payload
+		} else {
+			r.generation++
+			d.Generation, d.ChangedAt = r.generation, time.Now()
+		}
+		rm.payloadNew = false
+	case prev != nil:
+		// The payload of this report is on its way: what is desired
+		// stays until it comes.
+		d.Payload, d.Err, d.Generation, d.ChangedAt, d.Revision = prev.Payload, prev.Err, prev.Generation, prev.ChangedAt, prev.Revision
+	}
+	return d
+}
+
+// Mounts returns the limits of each of mounts, by name, for the
+// Assembler.
+func Mounts(mounts []*config.Mount) map[string]MountLimits {
+	out := make(map[string]MountLimits, len(mounts))
+	for _, m := range mounts {
+		out[m.Name] = MountLimits{MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles}
+	}
+	return out
+}
+
+// ownerID returns id, or def when id is -1 (not configured).
+func ownerID(id, def int) int {
+	if id < 0 {
+		return def
+	}
+	return id
+}
+
+var _ reconcile.Desired = (*Remote)(nil)
