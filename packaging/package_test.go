@@ -75,6 +75,7 @@ func TestPackageContents(t *testing.T) {
 	wantFiles := map[string]string{ // path → mode as ls shows it
 		"./usr/bin/kvmount":                                      "-rwxr-xr-x",
 		"./usr/lib/systemd/system/kvmount.service":               "-rw-r--r--",
+		"./usr/lib/sysusers.d/kvmount.conf":                      "-rw-r--r--",
 		"./etc/kvmount/kvmount.toml":                             "-rw-r-----",
 		"./usr/share/man/man8/kvmount.8.gz":                      "-rw-r--r--",
 		"./usr/share/doc/kvmount/copyright":                      "-rw-r--r--",

@@ -201,9 +201,9 @@ func TestOnBootedSystemd(t *testing.T) {
 	t.Logf("what still counts against it:\n%s", c.sh("systemd-analyze security kvmount --no-pager | grep '✗' | head -40"))
 	// Exactly the capabilities the unit names: CAP_CHOWN (0),
 	// CAP_DAC_OVERRIDE (1), CAP_FOWNER (3), CAP_KILL (5), CAP_SETGID (6),
-	// CAP_SETUID (7), CAP_SYS_ADMIN (21).
-	if got := c.sh("grep CapBnd /proc/$(systemctl show -p MainPID --value kvmount)/status"); !strings.HasSuffix(got, "00000000002000eb") {
-		t.Errorf("kvmount's bounding set: %s; want 00000000002000eb", got)
+	// CAP_SETUID (7), CAP_SETPCAP (8), CAP_SYS_ADMIN (21).
+	if got := c.sh("grep CapBnd /proc/$(systemctl show -p MainPID --value kvmount)/status"); !strings.HasSuffix(got, "00000000002001eb") {
+		t.Errorf("kvmount's bounding set: %s; want 00000000002001eb", got)
 	}
 
 	// A unit that counts its reloads, for the systemd_unit notifier.
@@ -234,6 +234,7 @@ prefix = "/secrets/"
 	c.sh("kvmount check -config /etc/kvmount/kvmount.toml && systemctl reload kvmount")
 	c.waitFor("cat /srv/web/site.conf", "listen 80;")
 	c.waitFor("cat /run/secrets/db", "hunter2")
+	checkWorker(t, c)
 	// This shell is outside the service: the tmpfs is visible here.
 	if got := c.sh("findmnt -n -o SOURCE,FSTYPE /run/secrets"); strings.Join(strings.Fields(got), " ") != "kvmount tmpfs" {
 		t.Errorf("findmnt /run/secrets = %q; want kvmount's tmpfs", got)
@@ -601,5 +602,30 @@ func TestVaultTLSRecipeOnBootedSystemd(t *testing.T) {
 	}
 	if failed := c.sh("journalctl -u kvmount -o cat --no-pager | grep -c 'notification failed' || true"); failed != "0" {
 		t.Errorf("%s notifications failed", failed)
+	}
+}
+
+// checkWorker checks the worker of the running service as the kernel
+// shows it (privsep): the package's kvmount user, every capability set
+// empty, no_new_privs, a seccomp filter.
+func checkWorker(t *testing.T, c *container) {
+	t.Helper()
+	uid := c.sh("id -u kvmount")
+	status := c.sh("cat /proc/$(pgrep -P $(systemctl show -p MainPID --value kvmount) | head -1)/status")
+	fields := map[string]string{}
+	for _, line := range strings.Split(status, "\n") {
+		if k, v, ok := strings.Cut(line, ":"); ok {
+			fields[k] = strings.Join(strings.Fields(v), " ")
+		}
+	}
+	want := map[string]string{
+		"Uid": strings.Repeat(uid+" ", 3) + uid, "CapEff": "0000000000000000", "CapPrm": "0000000000000000",
+		"CapBnd": "0000000000000000", "CapInh": "0000000000000000", "CapAmb": "0000000000000000",
+		"NoNewPrivs": "1", "Seccomp": "2",
+	}
+	for k, v := range want {
+		if fields[k] != v {
+			t.Errorf("the worker's %s: %q; want %q\n%s", k, fields[k], v, status)
+		}
 	}
 }

@@ -49,6 +49,8 @@ prefix = "/apps/app/"
 `
 
 func main() {
+	// The daemon's worker is this program started again.
+	daemon.MaybeWorker(registry())
 	keep := flag.Bool("keep", false, "keep the demo directory at the end")
 	flag.Parse()
 	if err := run(*keep); err != nil {
@@ -99,7 +101,7 @@ func run(keep bool) error {
 	go func() {
 		done <- daemon.Run(ctx, daemon.Options{
 			ConfigPath: configPath,
-			Registry:   source.NewRegistry(etcd.Kind()),
+			Registry:   registry(),
 			LogOutput:  prefixWriter{os.Stdout, "   kvmount | "},
 		})
 	}()
@@ -272,3 +274,6 @@ func (p prefixWriter) Write(b []byte) (int, error) {
 	}
 	return len(b), nil
 }
+
+// registry is the demo's source kinds.
+func registry() *source.Registry { return source.NewRegistry(etcd.Kind()) }

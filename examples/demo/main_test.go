@@ -1,6 +1,17 @@
 package main
 
-import "testing"
+import (
+	"os"
+	"testing"
+
+	"github.com/kvmount/kvmount/daemon"
+)
+
+// TestMain lets the daemon start this binary again as its worker.
+func TestMain(m *testing.M) {
+	daemon.MaybeWorker(registry())
+	os.Exit(m.Run())
+}
 
 // TestDemo runs the demo as make demo does: it must succeed.
 func TestDemo(t *testing.T) {
