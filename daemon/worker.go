@@ -162,8 +162,14 @@ func (w *worker) apply(req applyRequest) error {
 		return err
 	}
 	if w.cfg == nil {
-		if _, err := privsep.Confine(policy); err != nil {
+		c, err := privsep.Confine(policy)
+		if err != nil {
 			return err
+		}
+		w.log.Info("worker confined", "uid", os.Getuid(), "landlock_abi", c.LandlockABI, "seccomp", c.Seccomp,
+			"tcp_ports", fmt.Sprint(policy.ConnectTCP), "unix_sockets", fmt.Sprint(policy.UnixSockets))
+		if c.LandlockABI == 0 || !c.Seccomp {
+			w.log.Warn("the kernel lacks Landlock or seccomp: the worker runs with what there is (another user, no capability, no_new_privs)", "landlock_abi", c.LandlockABI, "seccomp", c.Seccomp)
 		}
 		w.policy = policy
 		w.cache = source.NewCache(w.log, w.trigger.Fire)
