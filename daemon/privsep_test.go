@@ -72,4 +72,3 @@ func workerPID(t *testing.T, h *harness, nth int) string {
 		}
 	}
 }
-

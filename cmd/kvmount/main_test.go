@@ -15,9 +15,9 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/internal/embedetcd"
 	"github.com/kvmount/kvmount/internal/etcdtest"
-	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/testlog"
 )
