@@ -10,6 +10,7 @@ import (
 	"reflect"
 	"slices"
 	"strconv"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -58,7 +59,7 @@ func workerIdentity(name string) (privsep.Identity, error) {
 // (/proc/self/exe, whatever replaced its file since), with WorkerEnv set,
 // in /, in a process group of its own (a terminal's signals are the
 // monitor's to pass on), with an environment of its own.
-func workerCommand() *exec.Cmd {
+func (m *monitor) workerCommand() *exec.Cmd {
 	cmd := exec.Command("/proc/self/exe")
 	cmd.Args = []string{"kvmount-worker"}
 	cmd.Dir = "/"
@@ -66,7 +67,10 @@ func workerCommand() *exec.Cmd {
 	if v, ok := os.LookupEnv("GORACE"); ok {
 		cmd.Env = append(cmd.Env, "GORACE="+v)
 	}
-	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	// What the worker writes outside the protocol (a runtime's panic) is
+	// logged a line at a time, escaped, never passed on raw.
+	out := &lineLog{log: m.log}
+	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	return cmd
 }
@@ -90,7 +94,7 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, work
 	}
 	m := &monitor{log: log, remote: privsep.NewRemote()}
 	m.super = &privsep.Supervisor{
-		Command: workerCommand, Identity: id, Log: log,
+		Command: m.workerCommand, Identity: id, Log: log,
 		OnPayload: m.remote.HandlePayload, OnMessage: m.handle,
 	}
 	if err := m.remote.SetMounts(cfg.Mounts); err != nil {
@@ -184,4 +188,35 @@ func (m *monitor) run(ctx context.Context) error {
 		return nil
 	}
 	return err
+}
+
+// maxWorkerLine bounds a line of the worker's own output, in bytes; the
+// rest of a longer line is logged as lines of its own.
+const maxWorkerLine = 4096
+
+// lineLog logs what it is written, one log line per line of text (at
+// most maxWorkerLine bytes), through the monitor's escaping handler. It
+// is safe for concurrent use.
+type lineLog struct {
+	log *slog.Logger
+	mu  sync.Mutex
+	buf []byte
+}
+
+// Write implements io.Writer.
+func (l *lineLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, c := range p {
+		if c != '\n' && len(l.buf) < maxWorkerLine {
+			l.buf = append(l.buf, c)
+			continue
+		}
+		l.log.Warn("worker output", "line", string(l.buf))
+		l.buf = l.buf[:0]
+		if c != '\n' {
+			l.buf = append(l.buf, c)
+		}
+	}
+	return len(p), nil
 }
