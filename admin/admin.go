@@ -46,6 +46,10 @@ type Options struct {
 	// endpoint only (kvmount adopt): it takes the directory the mount's
 	// path reaches for the mount's own (reconcile.Reconciler.Adopt).
 	Adopt func(ctx context.Context, mount string) error
+	// Worker, when set, returns the unprivileged worker's state, for
+	// /status and the kvmount_worker_* metrics; nil while none is known.
+	// It is called at each request and scrape, and must not block.
+	Worker func() *WorkerStatus
 }
 
 // Server holds what kvmount knows of its mounts and sources and serves it.
@@ -79,6 +83,9 @@ type Status struct {
 	Sources map[string]*SourceStatus `json:"sources"`
 	// Endpoints are the admin endpoints, sorted by address.
 	Endpoints []*EndpointStatus `json:"endpoints"`
+	// Worker is the unprivileged worker that reads the sources; nil when
+	// kvmount runs them in its own process.
+	Worker *WorkerStatus `json:"worker,omitempty"`
 	// brief are Reasons without the errors' text, for the public
 	// /readyz.
 	brief []string
@@ -153,6 +160,9 @@ func New(opts Options) *Server {
 	}
 	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{},
 		endpointState: map[string]*EndpointStatus{}, endpoints: map[string]*endpoint{}}
+	if opts.Worker != nil {
+		reg.MustRegister(newWorkerCollector(opts.Worker))
+	}
 	return s
 }
 
@@ -293,9 +303,13 @@ func notifyError(m *MountStatus) string {
 
 // Status returns a copy of what /status serves.
 func (s *Server) Status() Status {
+	var worker *WorkerStatus
+	if s.opts.Worker != nil {
+		worker = s.opts.Worker()
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0}
+	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0, Worker: worker}
 	if s.passes == 0 {
 		st.Reasons = append(st.Reasons, "the reconciler has not made its first pass")
 		st.brief = st.Reasons

@@ -108,7 +108,13 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 	if svc != nil {
 		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log,
 			Ping:  func(ctx context.Context) error { return d.rec.Ping(ctx) },
-			Adopt: func(ctx context.Context, mount string) error { return d.rec.Adopt(ctx, mount) }})
+			Adopt: func(ctx context.Context, mount string) error { return d.rec.Adopt(ctx, mount) },
+			Worker: func() *admin.WorkerStatus {
+				if d.monitor == nil {
+					return nil
+				}
+				return d.monitor.workerStatus()
+			}})
 		observers = append(observers, d.admin)
 		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: func(r notify.Result) {
 			d.admin.NotifyResult(r)

@@ -83,6 +83,8 @@ type monitor struct {
 	super   *privsep.Supervisor
 	remote  *privsep.Remote
 	rereads atomic.Pointer[[]string]
+	// offered is what the kernel lets the worker confine itself with.
+	offered privsep.Confinement
 }
 
 // newMonitor returns the monitor of cfg, whose files rec read; the worker
@@ -92,7 +94,7 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, work
 	if err != nil {
 		return nil, err
 	}
-	m := &monitor{log: log, remote: privsep.NewRemote()}
+	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered()}
 	m.super = &privsep.Supervisor{
 		Command: m.workerCommand, Identity: id, Log: log,
 		OnPayload: m.remote.HandlePayload, OnMessage: m.handle,

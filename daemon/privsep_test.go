@@ -1,13 +1,18 @@
 package daemon
 
 import (
+	"encoding/json"
 	"os"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvmount/kvmount/admin"
+	"github.com/kvmount/kvmount/privsep"
 )
 
 // TestWorkerHoldsNoPrivilege is issue 28's process tree: the daemon's
@@ -43,19 +48,42 @@ func TestWorkerHoldsNoPrivilege(t *testing.T) {
 			t.Errorf("the worker's %s: %q; want %q", k, fields[k], v)
 		}
 	}
-	// A worker that dies: logged, the content kept, a new one started.
-	n := 0
-	for _, c := range pid {
-		n = n*10 + int(c-'0')
+	// /status and /metrics say the same, from the kernel's view.
+	n, _ := strconv.Atoi(pid)
+	w := workerStatus(t, h)
+	if !w.Running || w.PID != n || w.UID == 0 || w.Starts != 1 || w.Refusals != 0 || !w.Seccomp || !w.NoNewPrivs ||
+		w.Capabilities || w.LandlockABI < 4 || len(w.Warnings) != 0 {
+		t.Errorf("/status worker: %+v; want the running worker %d, confined", w, n)
 	}
+	h.waitMetric(h.statusSocket(), "kvmount_worker_up 1")
+	for _, want := range []string{"kvmount_worker_starts_total 1", "kvmount_worker_refusals_total 0", "kvmount_worker_seccomp 1",
+		"kvmount_worker_landlock_abi " + strconv.Itoa(w.LandlockABI)} {
+		h.waitMetric(h.statusSocket(), want)
+	}
+	// A worker that dies: logged, the content kept, a new one started.
 	if err := syscall.Kill(n, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
 	h.waitLog("the worker ended; starting it again", "signal: killed")
 	h.waitContent(dir, map[string]string{"app.conf": "v1"})
-	workerPID(t, h, 2)
+	second := workerPID(t, h, 2)
 	h.put("/apps/app/app.conf", "v2")
 	h.waitContent(dir, map[string]string{"app.conf": "v2"})
+	h.waitMetric(h.statusSocket(), "kvmount_worker_starts_total 2")
+	if w := workerStatus(t, h); strconv.Itoa(w.PID) != second || !strings.Contains(w.LastEnd, "signal: killed") {
+		t.Errorf("/status worker after the kill: %+v; want worker %s, and the last end", w, second)
+	}
+}
+
+// workerStatus returns the worker's entry in the daemon's /status.
+func workerStatus(t *testing.T, h *harness) admin.WorkerStatus {
+	t.Helper()
+	_, body := unixGet(t, h.statusSocket(), "/status")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(body), &st); err != nil || st.Worker == nil {
+		t.Fatalf("/status: %v, no worker:\n%s", err, body)
+	}
+	return *st.Worker
 }
 
 // workerPID returns the PID of the nth worker the daemon started, from
@@ -69,6 +97,33 @@ func workerPID(t *testing.T, h *harness, nth int) string {
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("no worker %d started within 30 s:\n%s", nth, h.logs)
+		}
+	}
+}
+
+// TestConfinementWarnings: what the worker runs without is said for each
+// kernel kvmount may meet, and nothing on one that offers all.
+func TestConfinementWarnings(t *testing.T) {
+	for _, tc := range []struct {
+		offered privsep.Confinement
+		want    []string
+	}{
+		{privsep.Confinement{LandlockABI: 7, Seccomp: true}, nil},
+		{privsep.Confinement{LandlockABI: 4, Seccomp: true}, nil},
+		{privsep.Confinement{LandlockABI: 3, Seccomp: true}, []string{"Landlock ABI 3, before 4"}},
+		{privsep.Confinement{Seccomp: true}, []string{"no Landlock"}},
+		{privsep.Confinement{LandlockABI: 7}, []string{"no seccomp"}},
+		{privsep.Confinement{}, []string{"no Landlock", "no seccomp"}},
+	} {
+		got := confinementWarnings(tc.offered)
+		if len(got) != len(tc.want) {
+			t.Errorf("%+v: %q; want %d warnings", tc.offered, got, len(tc.want))
+			continue
+		}
+		for i, w := range tc.want {
+			if !strings.Contains(got[i], w) {
+				t.Errorf("%+v: %q; want %q", tc.offered, got[i], w)
+			}
 		}
 	}
 }

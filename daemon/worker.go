@@ -168,8 +168,8 @@ func (w *worker) apply(req applyRequest) error {
 		}
 		w.log.Info("worker confined", "uid", os.Getuid(), "landlock_abi", c.LandlockABI, "seccomp", c.Seccomp,
 			"tcp_ports", fmt.Sprint(policy.ConnectTCP), "unix_sockets", fmt.Sprint(policy.UnixSockets))
-		if c.LandlockABI == 0 || !c.Seccomp {
-			w.log.Warn("the kernel lacks Landlock or seccomp: the worker runs with what there is (another user, no capability, no_new_privs)", "landlock_abi", c.LandlockABI, "seccomp", c.Seccomp)
+		for _, warning := range confinementWarnings(c) {
+			w.log.Warn("the worker runs with what the kernel offers (another user, no capability, no_new_privs)", "warning", warning)
 		}
 		w.policy = policy
 		w.cache = source.NewCache(w.log, w.trigger.Fire)

@@ -7,7 +7,6 @@ import (
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/landlock-lsm/go-landlock/landlock"
-	llsyscall "github.com/landlock-lsm/go-landlock/landlock/syscall"
 )
 
 // Policy is what a confined worker may still reach.
@@ -55,10 +54,7 @@ type Confinement struct {
 // is and says so in its result; it returns an error only when a facility
 // the kernel offers fails.
 func Confine(p Policy) (Confinement, error) {
-	var c Confinement
-	if abi, err := llsyscall.LandlockGetABIVersion(); err == nil {
-		c.LandlockABI = abi
-	}
+	c := Confinement{LandlockABI: Offered().LandlockABI}
 	rules := []landlock.Rule{
 		landlock.ROFiles(p.ReadFiles...).IgnoreIfMissing(),
 		landlock.RODirs(p.ReadDirs...).IgnoreIfMissing(),

@@ -87,6 +87,33 @@ type Supervisor struct {
 	// restart, when closed, makes the running worker stop and start again
 	// at once.
 	restart chan struct{}
+	// pid and since are the running worker's, 0 and zero between
+	// workers; lastEnd says why the last one ended.
+	pid     int
+	since   time.Time
+	lastEnd string
+}
+
+// WorkerState is what a Supervisor knows of its worker, for /status and
+// metrics.
+type WorkerState struct {
+	// PID is the running worker's process id, 0 while none runs (it is
+	// being started again); Since is when it started.
+	PID   int
+	Since time.Time
+	// Starts and Refusals are Supervisor.Starts and Supervisor.Refusals.
+	Starts, Refusals uint64
+	// LastEnd says why the last worker ended, "" while the first runs. It
+	// may quote what a worker sent: escape it before showing it
+	// (untrusted.Escape).
+	LastEnd string
+}
+
+// State returns what s knows of its worker now.
+func (s *Supervisor) State() WorkerState {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return WorkerState{PID: s.pid, Since: s.since, Starts: s.starts.Load(), Refusals: s.refusals.Load(), LastEnd: s.lastEnd}
 }
 
 // link is one running worker: the messages queued for it, and its
@@ -218,6 +245,12 @@ func (s *Supervisor) Run(ctx context.Context) error {
 		if errors.Is(err, errIdentity) {
 			return err
 		}
+		s.mu.Lock()
+		s.lastEnd = "stopped for a new configuration"
+		if !restarted {
+			s.lastEnd = fmt.Sprint(err)
+		}
+		s.mu.Unlock()
 		if restarted {
 			s.Log.Info("the worker stopped for a new configuration; starting it again")
 			continue
@@ -273,11 +306,12 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	l.queue = configMessages(s.cfg, s.seq)
 	l.wake <- struct{}{}
 	s.link, s.restart = l, restart
+	s.pid, s.since = w.Process.Pid, time.Now()
 	s.mu.Unlock()
 	writeDone := make(chan struct{})
 	defer func() {
 		s.mu.Lock()
-		s.link = nil
+		s.link, s.pid, s.since = nil, 0, time.Time{}
 		if s.restart == restart {
 			s.restart = nil
 		}

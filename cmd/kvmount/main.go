@@ -130,7 +130,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				fmt.Fprintf(stderr, "warning: %s\n", w)
 				warnings++
 			}
+			worker, workerWarnings, werr := daemon.WorkerView(opts.WorkerUser)
+			if werr != nil {
+				err = werr
+				break
+			}
+			for _, w := range workerWarnings {
+				fmt.Fprintf(stderr, "warning: %s\n", w)
+				warnings++
+			}
 			fmt.Fprintf(stdout, "%s: OK (%s, %s, %s)\n", *configPath, count(len(cfg.Sources), "source"), count(len(cfg.Mounts), "mount"), count(warnings, "warning"))
+			fmt.Fprintln(stdout, worker)
 			if view := daemon.CheckView(cfg); view != "" {
 				fmt.Fprintln(stdout, view)
 			}

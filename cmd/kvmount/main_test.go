@@ -83,6 +83,11 @@ prefix = "/apps/app/"
 	if code != 0 || !strings.Contains(out, "OK (1 source, 1 mount, 0 warnings)") || errOut != "" {
 		t.Errorf("check valid = %d, %q, %q; want 0 and OK", code, out, errOut)
 	}
+	// These machines' kernels offer Landlock (ABI 7) and seccomp.
+	if !strings.Contains(out, "worker: the sources are read by an unprivileged worker, as ") ||
+		!regexp.MustCompile(`no capability, no_new_privs, Landlock ABI [1-9][0-9]* and a seccomp filter`).MatchString(out) {
+		t.Errorf("check says nothing of the worker's confinement:\n%s", out)
+	}
 
 	warned := writeFile(t, "warn.toml", `
 [sources.main]

@@ -29,9 +29,11 @@ const statusTimeout = 5 * time.Second
 // status asks the daemon that configPath configures for its /status, over
 // its private admin socket, and prints one line per mount — name, state,
 // version, age of the last success, last error or failing notification —
-// then the sources that are down and the admin endpoints that do not
+// then the sources that are down, the worker when it does not run or runs
+// less confined than it should, and the admin endpoints that do not
 // listen. It returns 0 when every non-optional mount is current and its
-// notifications succeed, and every endpoint listens; 1 otherwise; 2 when
+// notifications succeed, the worker runs, and every endpoint listens; 1
+// otherwise; 2 when
 // the daemon cannot be reached, or the socket is not root's.
 func status(ctx context.Context, configPath string, reg *source.Registry, stdout, stderr io.Writer) int {
 	cfg, err := config.Load(configPath, reg.Decoders())
@@ -77,6 +79,15 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 	for name, src := range st.Sources {
 		if !src.Up {
 			fmt.Fprintf(stdout, "source %s is down: %s\n", untrusted.Escape(name), firstLine(src.LastError))
+		}
+	}
+	if w := st.Worker; w != nil {
+		if !w.Running {
+			ok = false
+			fmt.Fprintf(stdout, "worker is not running: %s (started %d times; starting it again)\n", firstLine(w.LastEnd), w.Starts)
+		}
+		for _, warning := range w.Warnings {
+			fmt.Fprintf(stdout, "worker: %s\n", untrusted.Escape(warning))
 		}
 	}
 	for _, ep := range st.Endpoints {

@@ -1,0 +1,85 @@
+package admin
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// WorkerStatus is the unprivileged worker's entry in /status (SECURITY.md,
+// "Privilege separation"): the monitor's view of it, and how the kernel
+// confines it as /proc/PID/status shows — never what the worker says of
+// itself.
+type WorkerStatus struct {
+	// Running is true while a worker runs; between a worker's end and the
+	// next start (with backoff) it is false and the mounts keep their
+	// content.
+	Running bool `json:"running"`
+	PID     int  `json:"pid,omitempty"`
+	// UID is the user id the worker runs as.
+	UID   int        `json:"uid"`
+	Since *time.Time `json:"since,omitempty"`
+	// Starts counts the workers started; Refusals those stopped for
+	// breaking the protocol or a guard rail.
+	Starts   uint64 `json:"starts"`
+	Refusals uint64 `json:"refusals"`
+	// LastEnd says why the last worker ended, if one did.
+	LastEnd string `json:"last_end,omitempty"`
+	// LandlockABI is the Landlock ABI the kernel offers the worker, 0 for
+	// none; Seccomp and NoNewPrivs what /proc/PID/status shows of the
+	// running worker (Seccomp: 2), and Capabilities whether any of its
+	// effective, permitted or bounding sets holds one.
+	LandlockABI  int  `json:"landlock_abi"`
+	Seccomp      bool `json:"seccomp"`
+	NoNewPrivs   bool `json:"no_new_privs"`
+	Capabilities bool `json:"capabilities"`
+	// Warnings say what the worker runs without: Landlock or seccomp the
+	// kernel lacks, and anything the kernel shows that should not be.
+	Warnings []string `json:"warnings,omitempty"`
+}
+
+// workerCollector exports Options.Worker as metrics, read at each scrape.
+type workerCollector struct {
+	worker                        func() *WorkerStatus
+	up, starts, refusals, landlock *prometheus.Desc
+	seccomp                        *prometheus.Desc
+}
+
+func newWorkerCollector(worker func() *WorkerStatus) *workerCollector {
+	return &workerCollector{
+		worker: worker,
+		up:     prometheus.NewDesc("kvmount_worker_up", "1 while the unprivileged worker runs, else 0 (it is started again with backoff; the mounts keep their content).", nil, nil),
+		starts: prometheus.NewDesc("kvmount_worker_starts_total", "Workers started: the first, and one after each end.", nil, nil),
+		refusals: prometheus.NewDesc("kvmount_worker_refusals_total",
+			"Workers stopped for breaking the protocol or a guard rail (a path out of its mount, a payload over a limit, a malformed frame).", nil, nil),
+		landlock: prometheus.NewDesc("kvmount_worker_landlock_abi", "The Landlock ABI the kernel offers the worker; 0 when it has none.", nil, nil),
+		seccomp:  prometheus.NewDesc("kvmount_worker_seccomp", "1 when the running worker has a seccomp filter (/proc/PID/status Seccomp: 2), else 0.", nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.up, c.starts, c.refusals, c.landlock, c.seccomp} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
+	w := c.worker()
+	if w == nil {
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, boolValue(w.Running))
+	ch <- prometheus.MustNewConstMetric(c.starts, prometheus.CounterValue, float64(w.Starts))
+	ch <- prometheus.MustNewConstMetric(c.refusals, prometheus.CounterValue, float64(w.Refusals))
+	ch <- prometheus.MustNewConstMetric(c.landlock, prometheus.GaugeValue, float64(w.LandlockABI))
+	ch <- prometheus.MustNewConstMetric(c.seccomp, prometheus.GaugeValue, boolValue(w.Running && w.Seccomp))
+}
+
+func boolValue(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

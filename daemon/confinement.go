@@ -1,0 +1,94 @@
+package daemon
+
+import (
+	"fmt"
+	"os/user"
+	"slices"
+	"strconv"
+
+	"github.com/kvmount/kvmount/admin"
+	"github.com/kvmount/kvmount/privsep"
+)
+
+// confinementWarnings says what the worker runs without on a kernel that
+// offers c (privsep.Offered): none on one with Landlock ABI 4 or later and
+// seccomp.
+func confinementWarnings(c privsep.Confinement) []string {
+	var out []string
+	switch {
+	case c.LandlockABI == 0:
+		out = append(out, "the kernel offers no Landlock (Linux 5.13 or later, with landlock in the lsm= list): the worker can read whatever its user may, and connect anywhere")
+	case c.LandlockABI < 4:
+		out = append(out, fmt.Sprintf("the kernel offers Landlock ABI %d, before 4 (Linux 6.7): the worker's file system access is narrowed, its TCP connections are not", c.LandlockABI))
+	}
+	if !c.Seccomp {
+		out = append(out, "the kernel has no seccomp filters: the worker's system calls are not filtered")
+	}
+	return out
+}
+
+// WorkerView says how the unprivileged worker that reads the sources runs
+// on this host — as which user, confined how — for kvmount check, and what
+// the kernel lets it run without, as warnings. workerUser is Options.WorkerUser ("" for
+// WorkerUser). It returns an error when no user can be found for it.
+func WorkerView(workerUser string) (view string, warnings []string, err error) {
+	if workerUser == "" {
+		workerUser = WorkerUser
+	}
+	id, err := workerIdentity(workerUser)
+	if err != nil {
+		return "", nil, err
+	}
+	who := fmt.Sprintf("user %s (uid %d)", workerUser, id.UID)
+	if u, err := user.LookupId(strconv.Itoa(id.UID)); err != nil || u.Username != workerUser {
+		// As systemd's DynamicUser=: an id no user or group holds.
+		who = fmt.Sprintf("uid %d, the first free id of systemd's dynamic range: there is no user %s (the packages create it)", id.UID, workerUser)
+	}
+	c := privsep.Offered()
+	landlock := "no Landlock"
+	if c.LandlockABI > 0 {
+		landlock = fmt.Sprintf("Landlock ABI %d", c.LandlockABI)
+	}
+	seccomp := "no seccomp filter"
+	if c.Seccomp {
+		seccomp = "a seccomp filter"
+	}
+	view = fmt.Sprintf("worker: the sources are read by an unprivileged worker, as %s, with no capability, no_new_privs, %s and %s", who, landlock, seccomp)
+	return view, append(warnings, confinementWarnings(c)...), nil
+}
+
+// workerStatus returns the worker's entry in /status: the supervisor's
+// counts, and how the kernel shows the running worker in
+// /proc/PID/status.
+func (m *monitor) workerStatus() *admin.WorkerStatus {
+	st := m.super.State()
+	w := &admin.WorkerStatus{
+		Running: st.PID != 0, PID: st.PID, UID: m.super.Identity.UID,
+		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd,
+		LandlockABI: m.offered.LandlockABI,
+		Warnings:    confinementWarnings(m.offered),
+	}
+	if st.PID == 0 {
+		return w
+	}
+	since := st.Since
+	w.Since = &since
+	o, err := privsep.Observe(st.PID)
+	if err != nil {
+		// It ended between the two looks.
+		w.Running = false
+		return w
+	}
+	w.Seccomp, w.NoNewPrivs = o.Seccomp == 2, o.NoNewPrivs
+	w.Capabilities = o.CapEff|o.CapPrm|o.CapBnd != 0
+	if slices.Contains(o.UIDs[:], 0) {
+		w.Warnings = append(w.Warnings, "the worker runs with user id 0")
+	}
+	if w.Capabilities {
+		w.Warnings = append(w.Warnings, "the worker holds capabilities")
+	}
+	if !w.NoNewPrivs {
+		w.Warnings = append(w.Warnings, "the worker lacks no_new_privs")
+	}
+	return w
+}
