@@ -40,7 +40,7 @@ type WorkerStatus struct {
 
 // workerCollector exports Options.Worker as metrics, read at each scrape.
 type workerCollector struct {
-	worker                        func() *WorkerStatus
+	worker                         func() *WorkerStatus
 	up, starts, refusals, landlock *prometheus.Desc
 	seccomp                        *prometheus.Desc
 }
