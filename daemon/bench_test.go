@@ -207,7 +207,11 @@ var (
 // TestMain removes the binary the benchmarks built and the directories
 // they kept.
 func TestMain(m *testing.M) {
-	// The daemon starts this binary again as its worker.
+	// The daemon starts this binary again as its worker, or as
+	// TestHostileWorker's.
+	if os.Getenv(WorkerEnv) == hostileMode {
+		hostileWorker()
+	}
 	MaybeWorker(testRegistry())
 	code := m.Run()
 	if binPath != "" {

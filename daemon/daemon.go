@@ -56,6 +56,9 @@ type Options struct {
 	InProcess bool
 	// WorkerUser is the user the worker runs as; empty means WorkerUser.
 	WorkerUser string
+	// workerMode is the value of WorkerEnv the worker starts with:
+	// "worker" when empty; a test's fake worker else (TestMain).
+	workerMode string
 }
 
 // instance is one opened source and the configuration it was opened with.
@@ -140,11 +143,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		}
 		desired = d.pop
 	} else {
-		user := opts.WorkerUser
-		if user == "" {
-			user = WorkerUser
-		}
-		if d.monitor, err = newMonitor(d.log, cfg, rec, user); err != nil {
+		if d.monitor, err = newMonitor(d.log, cfg, rec, opts); err != nil {
 			d.close()
 			return nil, err
 		}

@@ -48,10 +48,12 @@ type harness struct {
 	sources func() string
 	// admin is the admin endpoint's address; "" (the default in tests)
 	// turns it off.
-	admin    string
-	logs     *testlog.Buffer
-	reload   chan os.Signal
-	notified chan string
+	admin string
+	// workerMode is Options.workerMode: "" for the daemon's worker.
+	workerMode string
+	logs       *testlog.Buffer
+	reload     chan os.Signal
+	notified   chan string
 	// statusLines are the STATUS= lines sent to systemd, in order.
 	statusMu    sync.Mutex
 	statusLines []string
@@ -129,6 +131,7 @@ func (h *harness) options() Options {
 		ConfigPath: h.config,
 		Registry:   testRegistry(),
 		LogOutput:  h.logs,
+		workerMode: h.workerMode,
 	}
 }
 

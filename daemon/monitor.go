@@ -63,7 +63,7 @@ func (m *monitor) workerCommand() *exec.Cmd {
 	cmd := exec.Command("/proc/self/exe")
 	cmd.Args = []string{"kvmount-worker"}
 	cmd.Dir = "/"
-	cmd.Env = []string{WorkerEnv + "=worker", "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
+	cmd.Env = []string{WorkerEnv + "=" + m.mode, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
 	if v, ok := os.LookupEnv("GORACE"); ok {
 		cmd.Env = append(cmd.Env, "GORACE="+v)
 	}
@@ -85,16 +85,26 @@ type monitor struct {
 	rereads atomic.Pointer[[]string]
 	// offered is what the kernel lets the worker confine itself with.
 	offered privsep.Confinement
+	// mode is the worker's WorkerEnv value (Options.workerMode).
+	mode string
 }
 
-// newMonitor returns the monitor of cfg, whose files rec read; the worker
-// starts when its supervisor runs.
-func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, workerUser string) (*monitor, error) {
+// newMonitor returns the monitor of cfg, whose files rec read, with the
+// worker opts say (Options.WorkerUser); the worker starts when its
+// supervisor runs.
+func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts Options) (*monitor, error) {
+	workerUser := opts.WorkerUser
+	if workerUser == "" {
+		workerUser = WorkerUser
+	}
 	id, err := workerIdentity(workerUser)
 	if err != nil {
 		return nil, err
 	}
-	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered()}
+	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered(), mode: opts.workerMode}
+	if m.mode == "" {
+		m.mode = "worker"
+	}
 	m.super = &privsep.Supervisor{
 		Command: m.workerCommand, Identity: id, Log: log,
 		OnPayload: m.remote.HandlePayload, OnMessage: m.handle,

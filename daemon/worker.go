@@ -45,6 +45,11 @@ func MaybeWorker(registry *source.Registry) {
 	os.Exit(0)
 }
 
+// afterConfine, when set, runs in the worker once it is confined, before
+// it opens a source. Only tests set it (TestWorkerCannotEscape makes the
+// worker try its ways out); in kvmount it is nil.
+var afterConfine func(cfg *config.Config, log *slog.Logger)
+
 // worker is the unprivileged half of the daemon: the sources, their cache
 // and the populator, whose desired state it sends to the monitor.
 type worker struct {
@@ -170,6 +175,9 @@ func (w *worker) apply(req applyRequest) error {
 			"tcp_ports", fmt.Sprint(policy.ConnectTCP), "unix_sockets", fmt.Sprint(policy.UnixSockets))
 		for _, warning := range confinementWarnings(c) {
 			w.log.Warn("the worker runs with what the kernel offers (another user, no capability, no_new_privs)", "warning", warning)
+		}
+		if afterConfine != nil {
+			afterConfine(cfg, w.log)
 		}
 		w.policy = policy
 		w.cache = source.NewCache(w.log, w.trigger.Fire)

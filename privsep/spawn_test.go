@@ -4,17 +4,18 @@ import (
 	"bufio"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"net"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"golang.org/x/sys/unix"
 
+	"github.com/kvmount/kvmount/internal/escapetest"
 	"github.com/kvmount/kvmount/internal/roottest"
 )
 
@@ -50,70 +51,14 @@ func testWorker() error {
 		return err
 	}
 	monitor, _ := strconv.Atoi(os.Getenv("KVMOUNT_TEST_MONITOR"))
-	attempts := map[string]func() error{
-		"open /etc/shadow": func() error { return closeAfter(os.Open("/etc/shadow")) },
-		"open /etc/passwd": func() error { return closeAfter(os.Open("/etc/passwd")) },
-		"read /etc/hosts":  func() error { _, err := os.ReadFile("/etc/hosts"); return err },
-		"write under /root": func() error {
-			f, err := os.OpenFile("/root/kvmount-privsep-test", os.O_CREATE|os.O_WRONLY|os.O_EXCL, 0o600)
-			if err == nil {
-				f.Close()
-				os.Remove(f.Name())
-			}
-			return err
-		},
-		"write under /tmp": func() error {
-			f, err := os.CreateTemp("/tmp", "kvmount-privsep-*")
-			if err == nil {
-				f.Close()
-				os.Remove(f.Name())
-			}
-			return err
-		},
-		"mount":        func() error { return unix.Mount("tmpfs", os.TempDir(), "tmpfs", 0, "") },
-		"kill 1":       func() error { return unix.Kill(1, 0) },
-		"ptrace":       func() error { return unix.PtraceAttach(monitor) },
-		"unshare user": func() error { return unix.Unshare(unix.CLONE_NEWUSER) },
-		"execve": func() error {
-			// A plain fork and exec: os/exec would open /dev/null first.
-			pid, err := syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{Dir: "/"})
-			if err == nil {
-				_, err = syscall.Wait4(pid, nil, 0, nil)
-			}
-			return err
-		},
-		"setresuid": func() error {
-			// Keeping every id (-1) is a no-op any process may ask for.
-			const keep = uintptr(0xffffffff)
-			if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, keep, keep, keep); e != 0 {
-				return e
-			}
-			return nil
-		},
-		"connect allowed": func() error {
-			return closeAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_ALLOWED_ADDR")))
-		},
-		"connect other": func() error {
-			return closeAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_OTHER_ADDR")))
-		},
+	attempts := escapetest.Attempts(monitor, os.Getenv("KVMOUNT_TEST_OTHER_ADDR"))
+	attempts["open /etc/passwd"] = func() error { return escapetest.CloseAfter(os.Open("/etc/passwd")) }
+	attempts["read /etc/hosts"] = func() error { _, err := os.ReadFile("/etc/hosts"); return err }
+	attempts["connect allowed"] = func() error {
+		return escapetest.CloseAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_ALLOWED_ADDR")))
 	}
-	report.Attempts = map[string]string{}
-	for name, try := range attempts {
-		if err := try(); err != nil {
-			report.Attempts[name] = err.Error()
-		} else {
-			report.Attempts[name] = ""
-		}
-	}
+	report.Attempts = escapetest.Run(attempts)
 	return json.NewEncoder(os.Stdout).Encode(report)
-}
-
-// closeAfter closes what an open or dial returned, and returns its error.
-func closeAfter[T interface{ Close() error }](v T, err error) error {
-	if err == nil {
-		v.Close()
-	}
-	return err
 }
 
 // runWorker spawns the test worker as a new unprivileged user, confined
@@ -264,19 +209,8 @@ func TestConfinedWorker(t *testing.T) {
 		// This machine's kernel has Landlock ABI 7 and seccomp.
 		t.Errorf("confinement %+v; want seccomp and Landlock ABI 4 or later", confined.Confinement)
 	}
-	denied := map[string]error{
-		"open /etc/shadow":  unix.EACCES,
-		"open /etc/passwd":  unix.EACCES, // Landlock: outside the policy
-		"write under /root": unix.EACCES,
-		"write under /tmp":  unix.EACCES, // Landlock
-		"mount":             unix.EPERM,
-		"kill 1":            unix.EPERM,
-		"ptrace":            unix.EPERM,
-		"unshare user":      unix.EPERM, // seccomp
-		"execve":            unix.EPERM, // seccomp
-		"setresuid":         unix.EPERM, // seccomp
-		"connect other":     unix.EACCES,
-	}
+	denied := maps.Clone(escapetest.Refusals)
+	denied["open /etc/passwd"] = unix.EACCES // Landlock: outside the policy
 	for name, want := range denied {
 		got, ok := confined.Attempts[name]
 		if !ok || got == "" || !strings.Contains(got, want.Error()) {

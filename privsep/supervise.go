@@ -349,10 +349,6 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	case readErr = <-read:
 		// The stream ended or broke the protocol: this worker is done.
 		readDone = true
-		if errors.Is(readErr, ErrRefused) || errors.Is(readErr, ErrMalformed) || errors.Is(readErr, ErrTruncated) {
-			s.refusals.Add(1)
-			s.Log.Error("the worker broke the protocol; stopping it, and keeping every mount's content", "err", readErr)
-		}
 		_ = w.Process.Kill()
 	case <-w.Done():
 		// What it sent before it ended is still read, to the stream's end.
@@ -369,6 +365,12 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 		}
 	}
 	mine.Close()
+	// Whether it broke the protocol and then ended, or the other way
+	// round, it is refused alike.
+	if errors.Is(readErr, ErrRefused) || errors.Is(readErr, ErrMalformed) || errors.Is(readErr, ErrTruncated) {
+		s.refusals.Add(1)
+		s.Log.Error("the worker broke the protocol; stopping it, and keeping every mount's content", "err", readErr)
+	}
 	if why == nil {
 		why = readErr
 	}

@@ -1,0 +1,93 @@
+// Package escapetest holds what the tests make a compromised worker try:
+// each way out of its confinement that issue 28 names, and a few more.
+// Only tests import it.
+package escapetest
+
+import (
+	"net"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// Attempts returns, by name, what a compromised worker would try: read
+// /etc/shadow, create a file under /root and under /tmp, mount a tmpfs,
+// signal PID 1, ptrace the monitor (pid monitor), make a user namespace,
+// execute a program, change its user ids, and connect to other, a TCP
+// address its policy does not allow. Each returns nil when it succeeded,
+// and removes what it made.
+func Attempts(monitor int, other string) map[string]func() error {
+	return map[string]func() error{
+		"open /etc/shadow":  func() error { return CloseAfter(os.Open("/etc/shadow")) },
+		"write under /root": func() error { return create("/root") },
+		"write under /tmp":  func() error { return create("/tmp") },
+		"mount":             func() error { return unix.Mount("tmpfs", os.TempDir(), "tmpfs", 0, "") },
+		"kill 1":            func() error { return unix.Kill(1, 0) },
+		"ptrace":            func() error { return unix.PtraceAttach(monitor) },
+		"unshare user":      func() error { return unix.Unshare(unix.CLONE_NEWUSER) },
+		"execve": func() error {
+			// A plain fork and exec: os/exec would open /dev/null first.
+			pid, err := syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{Dir: "/"})
+			if err == nil {
+				_, err = syscall.Wait4(pid, nil, 0, nil)
+			}
+			return err
+		},
+		"setresuid": func() error {
+			// Keeping every id (-1) is a no-op any process may ask for.
+			const keep = uintptr(0xffffffff)
+			if _, _, e := unix.RawSyscall(unix.SYS_SETRESUID, keep, keep, keep); e != 0 {
+				return e
+			}
+			return nil
+		},
+		"connect other": func() error { return CloseAfter(net.Dial("tcp", other)) },
+	}
+}
+
+// Refusals are the errors a worker confined by privsep.Confine gets for
+// each of Attempts: EACCES from Landlock, EPERM from seccomp or from its
+// lack of capabilities.
+var Refusals = map[string]error{
+	"open /etc/shadow":  unix.EACCES,
+	"write under /root": unix.EACCES,
+	"write under /tmp":  unix.EACCES, // Landlock
+	"mount":             unix.EPERM,
+	"kill 1":            unix.EPERM,
+	"ptrace":            unix.EPERM,
+	"unshare user":      unix.EPERM, // seccomp
+	"execve":            unix.EPERM, // seccomp
+	"setresuid":         unix.EPERM, // seccomp
+	"connect other":     unix.EACCES,
+}
+
+// Run runs attempts and returns each one's error, "" for none.
+func Run(attempts map[string]func() error) map[string]string {
+	out := make(map[string]string, len(attempts))
+	for name, try := range attempts {
+		out[name] = ""
+		if err := try(); err != nil {
+			out[name] = err.Error()
+		}
+	}
+	return out
+}
+
+// create makes a file in dir and removes it.
+func create(dir string) error {
+	f, err := os.CreateTemp(dir, "kvmount-escape-*")
+	if err == nil {
+		f.Close()
+		os.Remove(f.Name())
+	}
+	return err
+}
+
+// CloseAfter closes what an open or dial returned, and returns its error.
+func CloseAfter[T interface{ Close() error }](v T, err error) error {
+	if err == nil {
+		v.Close()
+	}
+	return err
+}
