@@ -660,7 +660,9 @@ func processConnections(b *testing.B, pid int, port int) int {
 //   - floor-bulkprocs-s: the files-only floor again, with as many Ps
 //     (GOMAXPROCS) as kvmount gives bulk setups (reconcile.BulkProcs), and
 //     cold/floor-bulkprocs: how much of the gap is the Go scheduler's;
-//   - rss-MiB and rss-B/key: resident memory at rest;
+//   - rss-MiB and rss-B/key: resident memory at rest, of kvmount and its
+//     worker together (pss-MiB without their shared pages counted twice;
+//     rss-worker-MiB the worker's alone: 0 for a kvmount without one);
 //   - restart-write-s: from a restart (SIGTERM, start again) until a
 //     write to the last mount, made right after the start, is visible;
 //     the benchmark fails if the restart rewrote an unchanged mount.
@@ -827,7 +829,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	// At rest: past the replaced versions' grace period (5 s) and a
 	// garbage collection or two.
 	time.Sleep(8 * time.Second)
-	rss := rssBytes(b, cmd.Process.Pid)
+	rss, pss, workerRSS := treeMemory(b, cmd.Process.Pid)
 	stop(cmd)
 	first, err := os.Readlink(filepath.Join(base, "mnt", "m0000", "..data"))
 	if err != nil {
@@ -862,6 +864,48 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(restart.Seconds(), "restart-write-s")
 	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
+	b.ReportMetric(float64(pss)/(1<<20), "pss-MiB")
+	b.ReportMetric(float64(workerRSS)/(1<<20), "rss-worker-MiB")
+}
+
+// treeMemory returns the memory at rest of kvmount as process pid and its
+// children (the worker, since issue 28): the sum of their resident set
+// sizes, which counts the binary's pages they share twice; the sum of
+// their proportional set sizes, which does not (processMemory); and the
+// children's resident set size alone.
+func treeMemory(b *testing.B, pid int) (rss, pss, childRSS int64) {
+	rss = rssBytes(b, pid)
+	pss = processMemory(b, pid)["Pss"]
+	for _, child := range childPIDs(b, pid) {
+		r := rssBytes(b, child)
+		rss += r
+		childRSS += r
+		pss += processMemory(b, child)["Pss"]
+	}
+	return rss, pss, childRSS
+}
+
+// childPIDs returns the processes whose parent is pid, from every thread's
+// /proc/pid/task/TID/children (a Go program starts a child from any of
+// its threads).
+func childPIDs(b *testing.B, pid int) []int {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	var out []int
+	for _, task := range tasks {
+		data, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", pid, task.Name()))
+		if err != nil {
+			continue // the thread ended
+		}
+		for _, f := range strings.Fields(string(data)) {
+			if child, err := strconv.Atoi(f); err == nil {
+				out = append(out, child)
+			}
+		}
+	}
+	return out
 }
 
 // rssBytes returns the resident set size of pid, from /proc/pid/status.
