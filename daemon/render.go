@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"strings"
 	"time"
 
@@ -16,12 +17,17 @@ import (
 // payload — keys and templates, with every limit (max_value_size,
 // max_mount_size, a tmpfs's size_limit) and min_keys — without touching
 // the mount or taking the state directory's lock: a dry run of what the
-// daemon would write. It returns the payload, or an error: the
-// configuration's, an unknown mount, the payload's (a missing key, a
-// template error, a limit), or no snapshot within timeout. check_command is
-// not run (it needs a version directory on disk).
+// daemon would write. As the daemon does, it has an unprivileged worker
+// read the sources and render the templates, and checks what the worker
+// sends (privsep.Assembler); the worker reads the sources of every mount
+// of the configuration. With Options.InProcess it reads them itself. It
+// returns the payload, or an error: the configuration's, an unknown
+// mount, the payload's (a missing key, a template error, a limit), or no
+// snapshot within timeout. check_command is not run (it needs a version
+// directory on disk).
 func Render(ctx context.Context, opts Options, mount string, timeout time.Duration) (projector.Payload, error) {
-	cfg, err := config.Load(opts.ConfigPath, opts.Registry.Decoders())
+	rec := &config.Recorder{}
+	cfg, err := config.LoadWith(opts.ConfigPath, opts.Registry.Decoders(), rec)
 	if err != nil {
 		return nil, err
 	}
@@ -40,33 +46,41 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 	}
 	log := NewLogger(opts.LogOutput, cfg.LogFormat, cfg.LogLevel)
 	trigger := reconcile.NewTrigger()
-	cache := source.NewCache(log, trigger.Fire)
-	defer cache.Close()
-	sources := map[string]source.Source{}
-	for _, pr := range spec.Projections {
-		if _, ok := sources[pr.Source]; ok {
-			continue
-		}
-		src, err := opts.Registry.Open(cfg.Sources[pr.Source], source.Env{Log: log})
+	var desired reconcile.Desired
+	if opts.InProcess {
+		pop, closeAll, err := renderInProcess(opts, cfg, spec, log, trigger)
 		if err != nil {
-			for _, s := range sources {
-				s.Close()
-			}
 			return nil, err
 		}
-		sources[pr.Source] = src
-	}
-	cache.SetSources(sources)
-	pop := reconcile.NewPopulator(cache, log)
-	pop.WakeOnBuild(trigger.Fire)
-	defer pop.Close()
-	if err := pop.SetMounts([]*config.Mount{spec}); err != nil {
-		return nil, err
+		defer closeAll()
+		desired = pop
+	} else {
+		m, err := newMonitor(log, cfg, rec, opts)
+		if err != nil {
+			return nil, err
+		}
+		m.remote.WakeOnBuild(trigger.Fire)
+		if err := m.remote.SetMounts([]*config.Mount{spec}); err != nil {
+			return nil, err
+		}
+		runCtx, stop := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			if err := m.run(runCtx); err != nil {
+				log.Error("the worker cannot run", "err", err)
+			}
+		}()
+		defer func() {
+			stop()
+			<-done
+		}()
+		desired = m.remote
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for {
-		d := pop.Populate()[mount]
+		d := desired.Populate()[mount]
 		switch {
 		case d.Err != nil:
 			return nil, d.Err
@@ -90,4 +104,37 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 			return nil, fmt.Errorf("mount %q: %s", mount, why)
 		}
 	}
+}
+
+// renderInProcess opens the sources of spec and returns a populator of
+// spec alone, and what closes them.
+func renderInProcess(opts Options, cfg *config.Config, spec *config.Mount, log *slog.Logger, trigger reconcile.Trigger) (*reconcile.Populator, func(), error) {
+	cache := source.NewCache(log, trigger.Fire)
+	sources := map[string]source.Source{}
+	for _, pr := range spec.Projections {
+		if _, ok := sources[pr.Source]; ok {
+			continue
+		}
+		src, err := opts.Registry.Open(cfg.Sources[pr.Source], source.Env{Log: log})
+		if err != nil {
+			for _, s := range sources {
+				s.Close()
+			}
+			cache.Close()
+			return nil, nil, err
+		}
+		sources[pr.Source] = src
+	}
+	cache.SetSources(sources)
+	pop := reconcile.NewPopulator(cache, log)
+	pop.WakeOnBuild(trigger.Fire)
+	closeAll := func() {
+		pop.Close()
+		cache.Close()
+	}
+	if err := pop.SetMounts([]*config.Mount{spec}); err != nil {
+		closeAll()
+		return nil, nil, err
+	}
+	return pop, closeAll, nil
 }

@@ -49,18 +49,23 @@ func TestTemplates(t *testing.T) {
 	last := want("M:a=one;c=3;", "a", "one", "c", "3")
 	h.waitContent(dir, last)
 
-	// Render prints what run wrote, byte for byte.
-	payload, err := Render(context.Background(), h.options(), "t", waitTimeout)
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, _ := content(dir)
-	if len(payload) != len(got) {
-		t.Errorf("Render gave %d files; the mount holds %d", len(payload), len(got))
-	}
-	for p, f := range payload {
-		if got[p] != string(f.Data) {
-			t.Errorf("Render %s = %q; the mount holds %q", p, f.Data, got[p])
+	// Render prints what run wrote, byte for byte: through a worker, and
+	// in its own process.
+	for _, inProcess := range []bool{false, true} {
+		opts := h.options()
+		opts.InProcess = inProcess
+		payload, err := Render(context.Background(), opts, "t", waitTimeout)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := content(dir)
+		if len(payload) != len(got) {
+			t.Errorf("Render (in process: %v) gave %d files; the mount holds %d", inProcess, len(payload), len(got))
+		}
+		for p, f := range payload {
+			if got[p] != string(f.Data) {
+				t.Errorf("Render (in process: %v) %s = %q; the mount holds %q", inProcess, p, f.Data, got[p])
+			}
 		}
 	}
 

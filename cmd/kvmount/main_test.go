@@ -484,6 +484,10 @@ func TestRenderCommand(t *testing.T) {
 	if code != 0 || out != "0644        5 a\n0644        1 dir/b\n" {
 		t.Errorf("render = %d %q %q", code, out, errOut)
 	}
+	// The sources were read by a confined worker, not by render itself.
+	if !strings.Contains(errOut, `msg="worker confined"`) || !strings.Contains(errOut, "seccomp=true") {
+		t.Errorf("render ran no confined worker:\n%s", errOut)
+	}
 	if code, out, _ := runCmd("render", "-config", e.config, "-mount", "app", "-path", "a"); code != 0 || out != "hello" {
 		t.Errorf("render -path a = %d %q", code, out)
 	}
