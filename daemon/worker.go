@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/signal"
 	"reflect"
+	"runtime/debug"
 	"slices"
 	"sync"
 	"syscall"
@@ -68,6 +69,8 @@ type worker struct {
 	sent       map[string]*reconcile.DesiredMount
 	payloadGen map[string]uint64
 	rereads    *rereads
+	// settled is set once every mount had a payload or an error.
+	settled bool
 }
 
 // applyRequest is an Apply with the inputs sent before it.
@@ -268,7 +271,25 @@ func (w *worker) publish() error {
 			return err
 		}
 	}
+	if !w.settled && allBuilt(dsw) {
+		// As the monitor does once its mounts are projected (service):
+		// the first snapshots and payloads of every mount are most of the
+		// garbage the worker will ever make; it goes back to the system
+		// now, not when the runtime's scavenger gets to it.
+		w.settled = true
+		go debug.FreeOSMemory()
+	}
 	return nil
+}
+
+// allBuilt reports whether every mount of dsw has a payload or an error.
+func allBuilt(dsw reconcile.DesiredState) bool {
+	for _, d := range dsw {
+		if !d.Ready() && d.Err == nil {
+			return false
+		}
+	}
+	return true
 }
 
 // boundRevision returns a mount's revision within the protocol's bound:
