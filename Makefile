@@ -13,7 +13,7 @@ MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
 PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
 PKG_ARCHS   ?= amd64 arm64
 
-.PHONY: help build test fmt vet staticcheck consul-agent vault-server demo bench bench-fleet package clean
+.PHONY: help build test fmt vet staticcheck consul-agent vault-server demo bench bench-baseline bench-fleet package clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -53,6 +53,19 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./reconcile ./admin ./source/consul
+	$(MAKE) bench-baseline
+
+# The commit bench-baseline compares this tree with: by default the last one
+# before the privilege separation (issue 28), whose daemon was one process.
+BASE ?= a21dae7
+bench-baseline: ## put → file, and start, restart and memory with 1,000 mounts: this tree beside BASE's binary (default a21dae7), side by side in one run
+	@tmp=$$(mktemp -d) && git worktree add -q --detach $$tmp/src $(BASE) && \
+	(cd $$tmp/src && $(GO) build -o $$tmp/kvmount-base ./cmd/kvmount); rc=$$?; git worktree remove --force $$tmp/src; \
+	if [ $$rc = 0 ]; then \
+		bin=$$(scripts/consul-agent.sh) && \
+		KVMOUNT_BENCH_BASELINE=$$tmp/kvmount-base KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench '^BenchmarkPutToFile$$' -benchtime 1000x -count 3 ./daemon && \
+		KVMOUNT_BENCH_BASELINE=$$tmp/kvmount-base $(GO) test -run '^$$' -bench '^BenchmarkScale100kKeys$$' -benchtime 1x -count 2 -timeout 60m ./daemon; rc=$$?; \
+	fi; rm -rf $$tmp; exit $$rc
 
 # FLEET daemons (separate processes) against one etcd, then one Consul agent.
 FLEET ?= 100
