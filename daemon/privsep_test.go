@@ -127,3 +127,21 @@ func TestConfinementWarnings(t *testing.T) {
 		}
 	}
 }
+
+// TestRereadGivenUpIsForgotten: a credential read that cannot reach the
+// monitor leaves nothing waiting behind it.
+func TestRereadGivenUpIsForgotten(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close()
+	defer w.Close()
+	rr := &rereads{send: &sender{enc: privsep.NewEncoder(w)}, waiting: map[string][]chan *privsep.Credential{}}
+	if _, _, err := rr.Read("/etc/kvmount/token", 1024); err == nil {
+		t.Fatal("a read over a closed socket succeeded")
+	}
+	if len(rr.waiting) != 0 {
+		t.Errorf("waiting after the read gave up: %v", rr.waiting)
+	}
+}

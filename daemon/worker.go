@@ -368,6 +368,7 @@ func (r *rereads) Read(name string, limit int64) ([]byte, *unix.Stat_t, error) {
 	r.waiting[name] = append(r.waiting[name], ch)
 	r.mu.Unlock()
 	if err := r.send.send(&privsep.Reread{Name: name}); err != nil {
+		r.forget(name, ch)
 		return nil, nil, err
 	}
 	select {
@@ -377,7 +378,18 @@ func (r *rereads) Read(name string, limit int64) ([]byte, *unix.Stat_t, error) {
 		}
 		return config.Replay{name: c.Value}.Read(name, limit)
 	case <-time.After(rereadTimeout):
+		r.forget(name, ch)
 		return nil, nil, fmt.Errorf("%s: the monitor did not answer within %v", name, rereadTimeout)
+	}
+}
+
+// forget removes ch, a read that gave up, from those waiting for name.
+func (r *rereads) forget(name string, ch chan *privsep.Credential) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.waiting[name] = slices.DeleteFunc(r.waiting[name], func(c chan *privsep.Credential) bool { return c == ch })
+	if len(r.waiting[name]) == 0 {
+		delete(r.waiting, name)
 	}
 }
 
