@@ -73,10 +73,10 @@ func (m *monitor) workerStatus() *admin.WorkerStatus {
 	}
 	since := st.Since
 	w.Since = &since
-	o, err := privsep.Observe(st.PID)
-	if err != nil {
-		// It ended between the two looks.
-		w.Running = false
+	o, pid, err := m.super.ObserveWorker()
+	if err != nil || pid != st.PID {
+		// It ended, or another started, between the two looks.
+		w.Running, w.PID, w.Since = false, 0, nil
 		return w
 	}
 	w.Seccomp, w.NoNewPrivs = o.Seccomp == 2, o.NoNewPrivs

@@ -45,14 +45,19 @@ type Observed struct {
 const maxProcStatus = 64 << 10
 
 // Observe returns what the kernel shows of process pid. It returns an
-// error when the process is gone, or its status lacks a field.
+// error when the process is gone, or its status lacks a field. A pid is
+// given again once its process has been waited for: see
+// Supervisor.ObserveWorker for the worker's.
 func Observe(pid int) (Observed, error) {
 	var o Observed
-	f, err := os.OpenFile("/proc/"+strconv.Itoa(pid)+"/status", os.O_RDONLY|unix.O_NOFOLLOW, 0)
+	f, err := os.OpenFile("/proc/"+strconv.Itoa(pid)+"/status", os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return o, err
 	}
 	defer f.Close()
+	if fi, err := f.Stat(); err != nil || !fi.Mode().IsRegular() {
+		return o, fmt.Errorf("privsep: /proc/%d/status is not procfs' regular file", pid)
+	}
 	data, err := io.ReadAll(io.LimitReader(f, maxProcStatus))
 	if err != nil {
 		return o, fmt.Errorf("privsep: /proc/%d/status: %w", pid, err)

@@ -87,9 +87,9 @@ type Supervisor struct {
 	// restart, when closed, makes the running worker stop and start again
 	// at once.
 	restart chan struct{}
-	// pid and since are the running worker's, 0 and zero between
-	// workers; lastEnd says why the last one ended.
-	pid     int
+	// worker and since are the running worker and its start, nil and
+	// zero between workers; lastEnd says why the last one ended.
+	worker  *Worker
 	since   time.Time
 	lastEnd string
 }
@@ -113,7 +113,36 @@ type WorkerState struct {
 func (s *Supervisor) State() WorkerState {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return WorkerState{PID: s.pid, Since: s.since, Starts: s.starts.Load(), Refusals: s.refusals.Load(), LastEnd: s.lastEnd}
+	st := WorkerState{Since: s.since, Starts: s.starts.Load(), Refusals: s.refusals.Load(), LastEnd: s.lastEnd}
+	if s.worker != nil {
+		st.PID = s.worker.Process.Pid
+	}
+	return st
+}
+
+// ErrNoWorker is returned by ObserveWorker while no worker runs.
+var ErrNoWorker = errors.New("privsep: no worker runs")
+
+// ObserveWorker returns the running worker as the kernel shows it
+// (Observe), and its pid. The result is the worker's, never that of
+// another process given its pid after it ended: it is returned only if
+// the worker had not been waited for once it was read. It returns
+// ErrNoWorker while none runs, or Observe's error.
+func (s *Supervisor) ObserveWorker() (Observed, int, error) {
+	s.mu.Lock()
+	w := s.worker
+	s.mu.Unlock()
+	if w == nil {
+		return Observed{}, 0, ErrNoWorker
+	}
+	o, err := Observe(w.Process.Pid)
+	select {
+	case <-w.Done():
+		// Reaped: its pid may have been someone else's by then.
+		return Observed{}, 0, ErrNoWorker
+	default:
+	}
+	return o, w.Process.Pid, err
 }
 
 // link is one running worker: the messages queued for it, and its
@@ -306,12 +335,12 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	l.queue = configMessages(s.cfg, s.seq)
 	l.wake <- struct{}{}
 	s.link, s.restart = l, restart
-	s.pid, s.since = w.Process.Pid, time.Now()
+	s.worker, s.since = w, time.Now()
 	s.mu.Unlock()
 	writeDone := make(chan struct{})
 	defer func() {
 		s.mu.Lock()
-		s.link, s.pid, s.since = nil, 0, time.Time{}
+		s.link, s.worker, s.since = nil, nil, time.Time{}
 		if s.restart == restart {
 			s.restart = nil
 		}

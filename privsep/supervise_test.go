@@ -157,8 +157,13 @@ func TestSupervisorStopsAHostileWorker(t *testing.T) {
 // TestSupervisorStopsTheWorker: cancelling Run stops a worker that would
 // run for ever, within StopGrace.
 func TestSupervisorStopsTheWorker(t *testing.T) {
-	_, _, revisions, stop := supervised(t, "linger")
+	s, _, revisions, stop := supervised(t, "linger")
 	waitFor(t, "the payload", func() bool { return len(revisions()) == 1 })
+	// While it runs, it is observed as the kernel shows it.
+	o, pid, err := s.ObserveWorker()
+	if err != nil || strconv.Itoa(pid) != revisions()[0] || pid != s.State().PID || o.UIDs[0] != s.Identity.UID {
+		t.Errorf("ObserveWorker = %+v, %d, %v; want worker %s as uid %d", o, pid, err, revisions()[0], s.Identity.UID)
+	}
 	began := time.Now()
 	if err := stop(); !errors.Is(err, context.Canceled) {
 		t.Errorf("Run returned %v", err)
@@ -168,6 +173,9 @@ func TestSupervisorStopsTheWorker(t *testing.T) {
 	}
 	if pid := revisions()[0]; alive(pid) {
 		t.Errorf("worker %s still runs", pid)
+	}
+	if _, _, err := s.ObserveWorker(); !errors.Is(err, ErrNoWorker) || s.State().PID != 0 {
+		t.Errorf("ObserveWorker after the stop: %v, pid %d; want ErrNoWorker", err, s.State().PID)
 	}
 }
 

@@ -33,8 +33,8 @@ const statusTimeout = 5 * time.Second
 // less confined than it should, and the admin endpoints that do not
 // listen. It returns 0 when every non-optional mount is current and its
 // notifications succeed, the worker runs, and every endpoint listens; 1
-// otherwise; 2 when
-// the daemon cannot be reached, or the socket is not root's.
+// otherwise; 2 when the daemon cannot be reached, or the socket is not
+// root's.
 func status(ctx context.Context, configPath string, reg *source.Registry, stdout, stderr io.Writer) int {
 	cfg, err := config.Load(configPath, reg.Decoders())
 	if err != nil {
