@@ -13,6 +13,8 @@ import (
 
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/privsep"
+	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/reconcile"
 )
 
 // TestWorkerHoldsNoPrivilege is issue 28's process tree: the daemon's
@@ -143,5 +145,38 @@ func TestRereadGivenUpIsForgotten(t *testing.T) {
 	}
 	if len(rr.waiting) != 0 {
 		t.Errorf("waiting after the read gave up: %v", rr.waiting)
+	}
+}
+
+// writeCounter counts the writes made to it.
+type writeCounter struct{ writes int }
+
+func (w *writeCounter) Write(p []byte) (int, error) {
+	w.writes++
+	return len(p), nil
+}
+
+// TestSenderWritesAnUpdateAtOnce: what publish sends for one update — the
+// sources' states Populate queued, the mount's state and its payload —
+// reaches the monitor in one write, so that it wakes once for it.
+func TestSenderWritesAnUpdateAtOnce(t *testing.T) {
+	out := &writeCounter{}
+	s := &sender{enc: privsep.NewEncoder(out)}
+	if err := s.queue(&privsep.State{Source: "main", Revision: "7"}); err != nil {
+		t.Fatal(err)
+	}
+	st := &privsep.MountState{Mount: "app", Generation: 3, Revision: "main@7"}
+	d := &reconcile.DesiredMount{Generation: 3, Payload: projector.Payload{"a": {Data: []byte("1"), Mode: 0o644}, "b": {Data: []byte("2"), Mode: 0o600}}}
+	if err := s.payload(st, d); err != nil {
+		t.Fatal(err)
+	}
+	if out.writes != 0 {
+		t.Errorf("%d writes before the flush", out.writes)
+	}
+	if err := s.flush(); err != nil {
+		t.Fatal(err)
+	}
+	if out.writes != 1 {
+		t.Errorf("%d writes for one update; want 1", out.writes)
 	}
 }

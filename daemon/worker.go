@@ -217,7 +217,9 @@ func (w *worker) close() {
 	}
 }
 
-// forward sends the populator's events that the monitor reports.
+// forward queues the populator's events that the monitor reports; they
+// are called from Populate, and go with the mounts' states and payloads
+// that publish sends after it, in one write where they fit.
 func (w *worker) forward(ev reconcile.Event) {
 	switch ev := ev.(type) {
 	case reconcile.SourceEvent:
@@ -225,14 +227,14 @@ func (w *worker) forward(ev reconcile.Event) {
 		if ev.Err != nil {
 			st.Err = clip(ev.Err.Error(), privsep.MaxDetailLen)
 		}
-		_ = w.send.send(st)
+		_ = w.send.queue(st)
 	case reconcile.HeldBackEvent:
-		_ = w.send.send(&privsep.HeldBack{Mount: ev.Mount, Guard: ev.Guard, Reason: clip(ev.Reason, privsep.MaxDetailLen), Revision: boundRevision(ev.Revision)})
+		_ = w.send.queue(&privsep.HeldBack{Mount: ev.Mount, Guard: ev.Guard, Reason: clip(ev.Reason, privsep.MaxDetailLen), Revision: boundRevision(ev.Revision)})
 	}
 }
 
 // publish sends the state of every mount whose desired state changed, and
-// its payload when it has a new one.
+// its payload when it has a new one, after the events Populate queued.
 func (w *worker) publish() error {
 	dsw := w.pop.Populate()
 	for name := range w.sent {
@@ -259,7 +261,6 @@ func (w *worker) publish() error {
 				st.Stale = append(st.Stale, clip(err.Error(), privsep.MaxDetailLen))
 			}
 		}
-		msgs := []privsep.Message{st}
 		if d.Ready() && w.payloadGen[name] != d.Generation {
 			w.payloadGen[name] = d.Generation
 			if err := w.send.payload(st, d); err != nil {
@@ -267,9 +268,14 @@ func (w *worker) publish() error {
 			}
 			continue
 		}
-		if err := w.send.send(msgs...); err != nil {
+		if err := w.send.queue(st); err != nil {
 			return err
 		}
+	}
+	// One write for all of it where it fits: every wake-up of the monitor
+	// is a cross-process one.
+	if err := w.send.flush(); err != nil {
+		return err
 	}
 	if !w.settled && allBuilt(dsw) {
 		// As the monitor does once its mounts are projected (service):
@@ -327,7 +333,28 @@ func (s *sender) send(msgs ...privsep.Message) error {
 	return s.enc.Flush()
 }
 
-// payload writes st and then d's payload, its files in path order.
+// queue writes msgs without flushing them: they go with the next flush,
+// or the next send.
+func (s *sender) queue(msgs ...privsep.Message) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, m := range msgs {
+		if err := s.enc.Encode(m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// flush writes what was queued.
+func (s *sender) flush() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.enc.Flush()
+}
+
+// payload queues st and then d's payload, its files in path order (they
+// are written as the encoder's buffer fills, the rest at the next flush).
 func (s *sender) payload(st *privsep.MountState, d *reconcile.DesiredMount) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -343,10 +370,7 @@ func (s *sender) payload(st *privsep.MountState, d *reconcile.DesiredMount) erro
 			return err
 		}
 	}
-	if err := s.enc.Encode(&privsep.Commit{}); err != nil {
-		return err
-	}
-	return s.enc.Flush()
+	return s.enc.Encode(&privsep.Commit{})
 }
 
 // rereadTimeout bounds the wait for the monitor's answer to a Reread.
