@@ -107,7 +107,7 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	}
 	m.super = &privsep.Supervisor{
 		Command: m.workerCommand, Identity: id, Log: log,
-		OnPayload: m.remote.HandlePayload, OnMessage: m.handle,
+		OnPayload: m.remote.HandlePayload, OnMessage: m.handle, OnIdle: m.remote.Idle,
 	}
 	if err := m.remote.SetMounts(cfg.Mounts); err != nil {
 		return nil, err

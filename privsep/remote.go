@@ -3,7 +3,6 @@ package privsep
 import (
 	"errors"
 	"fmt"
-	"os"
 	"reflect"
 	"slices"
 	"sync"
@@ -22,9 +21,9 @@ import (
 // source the configuration does not have is dropped, owners come from
 // the configuration, and payloads have passed the Assembler. A payload
 // equal to the one desired keeps its generation, so that a restarted
-// worker's first payloads rewrite nothing. Its Handle methods are called
-// from the goroutine that reads the worker; Populate from the
-// reconciler's loop.
+// worker's first payloads rewrite nothing. Its Handle methods and Idle
+// are called from the goroutine that reads the worker (Supervisor's
+// OnPayload, OnMessage and OnIdle); Populate from the reconciler's loop.
 type Remote struct {
 	mu     sync.Mutex
 	mounts map[string]*remoteMount
@@ -34,6 +33,8 @@ type Remote struct {
 	events   []reconcile.Event
 	observer reconcile.Observer
 	wake     func()
+	// pending is set when a report came since the last Idle.
+	pending bool
 	// generation numbers desired payloads; it only grows.
 	generation uint64
 	dsw        reconcile.DesiredState
@@ -61,8 +62,8 @@ func NewRemote() *Remote {
 // SetObserver implements reconcile.Desired.
 func (r *Remote) SetObserver(o reconcile.Observer) { r.observer = o }
 
-// WakeOnBuild implements reconcile.Desired: f is called whenever the
-// worker reported something.
+// WakeOnBuild implements reconcile.Desired: f is called at Idle when the
+// worker reported something since the last one.
 func (r *Remote) WakeOnBuild(f func()) {
 	r.mu.Lock()
 	r.wake = f
@@ -104,7 +105,7 @@ func (r *Remote) HandlePayload(p *Payload) {
 	if rm == nil || rm.state == nil {
 		return
 	}
-	uid, gid := ownerID(rm.spec.UID, os.Geteuid()), ownerID(rm.spec.GID, os.Getegid())
+	uid, gid := reconcile.MountOwner(rm.spec)
 	for name, f := range p.Files {
 		f.UID, f.GID = uid, gid
 		p.Files[name] = f
@@ -148,19 +149,30 @@ func (r *Remote) HandleMessage(m Message) {
 	}
 }
 
-// touch marks rm for the next Populate and wakes the loop.
+// touch marks rm for the next Populate and the loop to be woken at Idle.
 func (r *Remote) touch(rm *remoteMount) {
 	rm.dirty = true
-	if r.wake != nil {
-		r.wake()
-	}
+	r.pending = true
 }
 
-// event queues ev for the next Populate and wakes the loop.
+// event queues ev for the next Populate and the loop to be woken at Idle.
 func (r *Remote) event(ev reconcile.Event) {
 	r.events = append(r.events, ev)
-	if r.wake != nil {
-		r.wake()
+	r.pending = true
+}
+
+// Idle wakes the loop (WakeOnBuild) if a report was handled since the
+// last call. The Supervisor calls it (Supervisor.OnIdle) once the
+// messages of one write are handled: a mount's state, the payload after
+// it and the sources' states wake the loop once, when all are in.
+func (r *Remote) Idle() {
+	r.mu.Lock()
+	wake := r.pending && r.wake != nil
+	r.pending = false
+	f := r.wake
+	r.mu.Unlock()
+	if wake {
+		f()
 	}
 }
 
@@ -255,14 +267,6 @@ func Mounts(mounts []*config.Mount) map[string]MountLimits {
 		out[m.Name] = MountLimits{MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles}
 	}
 	return out
-}
-
-// ownerID returns id, or def when id is -1 (not configured).
-func ownerID(id, def int) int {
-	if id < 0 {
-		return def
-	}
-	return id
 }
 
 var _ reconcile.Desired = (*Remote)(nil)

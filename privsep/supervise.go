@@ -67,6 +67,11 @@ type Supervisor struct {
 	// worker, and must not block.
 	OnPayload func(*Payload)
 	OnMessage func(Message)
+	// OnIdle, when set, is called on the same goroutine whenever the
+	// messages the worker sent so far are handled and the next is not in
+	// yet: one call for the messages of one write, so that their reader
+	// wakes whoever waits for them once, not at each message.
+	OnIdle func()
 	// Log receives the worker's starts, ends and refusals. A refusal's
 	// error quotes what the worker sent (a path, a mount's name): Log's
 	// handler must escape outside text, as the daemon's does
@@ -446,6 +451,9 @@ func (s *Supervisor) read(r io.Reader, l *link) error {
 	a := NewAssembler(l.mounts)
 	l.mu.Unlock()
 	for {
+		if s.OnIdle != nil && !d.Ready() {
+			s.OnIdle()
+		}
 		m, err := d.Decode()
 		if err != nil {
 			return err

@@ -6,7 +6,9 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -54,17 +56,32 @@ func testSender() error {
 	select {} // until killed
 }
 
+// supervision is a supervisor of test senders that a test runs.
+type supervision struct {
+	*Supervisor
+	logs *testlog.Buffer
+	// revisions returns the payloads' revisions so far; handled, what the
+	// supervisor handed on, in order: "idle", "message" or "payload".
+	revisions, handled func() []string
+	// stop stops the supervisor and returns what Run returned.
+	stop func() error
+}
+
 // supervised runs a supervisor of test senders in mode, as a new
-// unprivileged user, until stop is called (or the test ends); it returns
-// the supervisor, its log and the payloads' revisions so far.
-func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer, revisions func() []string, stop func() error) {
+// unprivileged user, until stop is called (or the test ends).
+func supervised(t *testing.T, mode string) *supervision {
 	t.Helper()
 	roottest.Require(t)
 	u := roottest.NewUser(t)
-	logs = &testlog.Buffer{}
+	sv := &supervision{logs: &testlog.Buffer{}}
 	var mu sync.Mutex
-	var revs []string
-	s = &Supervisor{
+	var revs, handled []string
+	record := func(what string) {
+		mu.Lock()
+		defer mu.Unlock()
+		handled = append(handled, what)
+	}
+	sv.Supervisor = &Supervisor{
 		Command: func() *exec.Cmd {
 			cmd := u.Helper(t, "sender", "KVMOUNT_TEST_MODE="+mode)
 			cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -72,6 +89,7 @@ func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer,
 		},
 		Identity: Identity{UID: u.UID, GID: u.GID},
 		OnPayload: func(p *Payload) {
+			record("payload")
 			mu.Lock()
 			defer mu.Unlock()
 			if string(p.Files["pid"].Data) != p.Revision {
@@ -79,27 +97,34 @@ func supervised(t *testing.T, mode string) (s *Supervisor, logs *testlog.Buffer,
 			}
 			revs = append(revs, p.Revision)
 		},
-		Log: slog.New(slog.NewTextHandler(logs, nil)),
+		OnMessage: func(Message) { record("message") },
+		OnIdle:    func() { record("idle") },
+		Log:       slog.New(slog.NewTextHandler(sv.logs, nil)),
 	}
-	if err := s.Configure(context.Background(), Configuration{Mounts: testMounts}, false); err != nil {
+	if err := sv.Configure(context.Background(), Configuration{Mounts: testMounts}, false); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
-	go func() { done <- s.Run(ctx) }()
+	go func() { done <- sv.Run(ctx) }()
 	var once sync.Once
 	var runErr error
-	stop = func() error {
+	sv.stop = func() error {
 		once.Do(func() { cancel(); runErr = <-done })
 		return runErr
 	}
-	t.Cleanup(func() { stop() })
-	revisions = func() []string {
+	t.Cleanup(func() { sv.stop() })
+	sv.revisions = func() []string {
 		mu.Lock()
 		defer mu.Unlock()
-		return append([]string(nil), revs...)
+		return slices.Clone(revs)
 	}
-	return s, logs, revisions, stop
+	sv.handled = func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(handled)
+	}
+	return sv
 }
 
 // waitFor waits until cond holds, for 30 s at most.
@@ -121,20 +146,26 @@ func alive(pid string) bool {
 // TestSupervisorRestartsTheWorker: a worker that ends is started again,
 // each one's payload delivered, and the restarts logged.
 func TestSupervisorRestartsTheWorker(t *testing.T) {
-	s, logs, revisions, stop := supervised(t, "good")
-	waitFor(t, "three workers' payloads", func() bool { return len(revisions()) >= 3 })
-	if err := stop(); !errors.Is(err, context.Canceled) {
+	s := supervised(t, "good")
+	waitFor(t, "three workers' payloads", func() bool { return len(s.revisions()) >= 3 })
+	if err := s.stop(); !errors.Is(err, context.Canceled) {
 		t.Errorf("Run returned %v", err)
 	}
-	if s.Starts() < 3 || logs.Count("the worker ended; starting it again") < 2 {
-		t.Errorf("%d starts:\n%s", s.Starts(), logs)
+	if s.Starts() < 3 || s.logs.Count("the worker ended; starting it again") < 2 {
+		t.Errorf("%d starts:\n%s", s.Starts(), s.logs)
 	}
 	seen := map[string]bool{}
-	for _, r := range revisions() {
+	for _, r := range s.revisions() {
 		seen[r] = true
 	}
 	if len(seen) < 3 {
-		t.Errorf("payloads of %d workers: %v", len(seen), revisions())
+		t.Errorf("payloads of %d workers: %v", len(seen), s.revisions())
+	}
+	// Each worker wrote its state and payload at once: they were handed
+	// on, then OnIdle called once, not between them.
+	handled := strings.Join(s.handled(), " ")
+	if !strings.HasPrefix(handled, "idle message payload idle ") || strings.Contains(handled, "message idle") {
+		t.Errorf("handled %s; want OnIdle after each write's messages, not between them", handled)
 	}
 }
 
@@ -142,22 +173,23 @@ func TestSupervisorRestartsTheWorker(t *testing.T) {
 // mount is killed and started again; its payload before it is delivered,
 // and nothing of the refused one.
 func TestSupervisorStopsAHostileWorker(t *testing.T) {
-	s, logs, revisions, stop := supervised(t, "hostile")
-	waitFor(t, "a second worker", func() bool { return s.Starts() >= 2 && len(revisions()) >= 2 })
-	stop()
-	first := revisions()[0]
+	s := supervised(t, "hostile")
+	waitFor(t, "a second worker", func() bool { return s.Starts() >= 2 && len(s.revisions()) >= 2 })
+	s.stop()
+	first := s.revisions()[0]
 	if alive(first) {
 		t.Errorf("the hostile worker %s still runs", first)
 	}
-	if s.Refusals() < 1 || logs.Count("the worker broke the protocol", `invalid path \"../escape\"`) < 1 {
-		t.Errorf("%d refusals:\n%s", s.Refusals(), logs)
+	if s.Refusals() < 1 || s.logs.Count("the worker broke the protocol", `invalid path \"../escape\"`) < 1 {
+		t.Errorf("%d refusals:\n%s", s.Refusals(), s.logs)
 	}
 }
 
 // TestSupervisorStopsTheWorker: cancelling Run stops a worker that would
 // run for ever, within StopGrace.
 func TestSupervisorStopsTheWorker(t *testing.T) {
-	s, _, revisions, stop := supervised(t, "linger")
+	s := supervised(t, "linger")
+	revisions := s.revisions
 	waitFor(t, "the payload", func() bool { return len(revisions()) == 1 })
 	// While it runs, it is observed as the kernel shows it.
 	o, pid, err := s.ObserveWorker()
@@ -165,7 +197,7 @@ func TestSupervisorStopsTheWorker(t *testing.T) {
 		t.Errorf("ObserveWorker = %+v, %d, %v; want worker %s as uid %d", o, pid, err, revisions()[0], s.Identity.UID)
 	}
 	began := time.Now()
-	if err := stop(); !errors.Is(err, context.Canceled) {
+	if err := s.stop(); !errors.Is(err, context.Canceled) {
 		t.Errorf("Run returned %v", err)
 	}
 	if took := time.Since(began); took > StopGrace+drainTimeout+time.Second {
@@ -183,14 +215,14 @@ func TestSupervisorStopsTheWorker(t *testing.T) {
 // with backoff (0.5 s, then 1 s, then 2 s, ±20 %), not in a loop, and each
 // end is logged with its status.
 func TestSupervisorBacksOff(t *testing.T) {
-	s, logs, _, stop := supervised(t, "crash")
+	s := supervised(t, "crash")
 	time.Sleep(3 * time.Second)
-	stop()
+	s.stop()
 	if n := s.Starts(); n < 2 || n > 4 {
-		t.Errorf("%d starts in 3 s; want 2 to 4:\n%s", n, logs)
+		t.Errorf("%d starts in 3 s; want 2 to 4:\n%s", n, s.logs)
 	}
-	if logs.Count("the worker ended", "exit status 3") < 1 {
-		t.Errorf("the crash is not logged:\n%s", logs)
+	if s.logs.Count("the worker ended", "exit status 3") < 1 {
+		t.Errorf("the crash is not logged:\n%s", s.logs)
 	}
 }
 

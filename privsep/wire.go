@@ -174,6 +174,17 @@ func NewDecoder(r io.Reader, from Side) *Decoder {
 	return &Decoder{r: bufio.NewReader(r), from: from}
 }
 
+// Ready reports whether a whole frame is buffered, so that the next Decode
+// returns without reading from the stream.
+func (d *Decoder) Ready() bool {
+	n := d.r.Buffered()
+	if n < 5 {
+		return false
+	}
+	hdr, err := d.r.Peek(5)
+	return err == nil && int64(n) >= 5+int64(binary.BigEndian.Uint32(hdr[:4]))
+}
+
 // Decode reads the next message. It returns io.EOF at the end of the
 // stream between frames, an error wrapping ErrTruncated when it ends
 // inside one, and an error wrapping ErrMalformed for a frame that breaks

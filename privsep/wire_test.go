@@ -152,6 +152,40 @@ func fileFrame(p string, mode uint32, size uint64) []byte {
 	return frame(typeFile, binary.BigEndian.AppendUint64(b, size))
 }
 
+// TestDecoderReady: Ready tells whether the next Decode has its whole
+// frame buffered — after one read, between the frames of one write, and
+// not when only part of a frame is in.
+func TestDecoderReady(t *testing.T) {
+	two := encode(t, &State{Source: "main", Revision: "1"}, &State{Source: "main", Revision: "2"})
+	third := encode(t, &State{Source: "main", Revision: "3"})
+	r, w := io.Pipe()
+	d := NewDecoder(r, FromWorker)
+	if d.Ready() {
+		t.Error("Ready before anything was read")
+	}
+	go func() {
+		w.Write(two)                  // one read: both frames
+		w.Write(third[:len(third)-1]) // a frame cut short
+		w.Write(third[len(third)-1:])
+		w.Close()
+	}()
+	for i, want := range []bool{true, false} {
+		if _, err := d.Decode(); err != nil {
+			t.Fatal(err)
+		}
+		if got := d.Ready(); got != want {
+			t.Errorf("after frame %d, Ready = %v; want %v", i+1, got, want)
+		}
+	}
+	// The third frame arrives in two reads: Decode waits for its end.
+	if m, err := d.Decode(); err != nil || m.(*State).Revision != "3" {
+		t.Fatalf("third frame: %+v, %v", m, err)
+	}
+	if d.Ready() {
+		t.Error("Ready at the end of the stream")
+	}
+}
+
 // TestHostileWorker: what a compromised worker may send is refused, with
 // an error that says why, and no payload comes of it.
 func TestHostileWorker(t *testing.T) {

@@ -376,8 +376,9 @@ func (p *Populator) populate(pm *populated) bool {
 // options returns the options of pm's payload build.
 func (p *Populator) options(pm *populated) projector.Options {
 	m := pm.spec
+	uid, gid := MountOwner(m)
 	return projector.Options{
-		Mode: m.DefaultMode, UID: ownerID(m.UID, processUID), GID: ownerID(m.GID, processGID),
+		Mode: m.DefaultMode, UID: uid, GID: gid,
 		MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles,
 		Templates: m.Templates, KeysOnlyForTemplates: !m.KeysAsFiles, Renders: &pm.renders,
 	}
@@ -537,6 +538,13 @@ func errorsText(errs []error) string {
 
 // kvmount's own user and group, the owner of files when a mount names none.
 var processUID, processGID = os.Geteuid(), os.Getegid()
+
+// MountOwner returns the owner of m's files: its configured uid and gid,
+// or for one not configured (-1) the daemon's own effective id, read once
+// when it started.
+func MountOwner(m *config.Mount) (uid, gid int) {
+	return ownerID(m.UID, processUID), ownerID(m.GID, processGID)
+}
 
 // ownerID returns id, or def when id is -1 (not configured).
 func ownerID(id, def int) int {
