@@ -336,8 +336,11 @@ func noAdmin(b *testing.B, bin string) string {
 // sequential updates.
 //
 // With $KVMOUNT_BENCH_BASELINE set to a kvmount binary built from another
-// commit, each case runs that binary ("/baseline") and then this tree's
-// ("/head") on the same store, side by side in one run.
+// commit, each case runs that binary and this tree's side by side on the
+// same store, each on its own prefix, and alternates updates between them
+// (which goes first alternates too), so that both see the same machine at
+// the same moments: the metrics are prefixed "baseline-" and "head-", and
+// "head/baseline-" gives the ratio of the p50s.
 func BenchmarkPutToFile(b *testing.B) {
 	baseline := os.Getenv("KVMOUNT_BENCH_BASELINE")
 	for _, s := range []struct {
@@ -346,24 +349,83 @@ func BenchmarkPutToFile(b *testing.B) {
 		medium string
 	}{{"etcd/disk", etcdStore, "disk"}, {"etcd/tmpfs", etcdStore, "tmpfs"}, {"consul/disk", consulStore, "disk"}, {"consul/tmpfs", consulStore, "tmpfs"}} {
 		b.Run(s.name, func(b *testing.B) {
+			store := s.store(b)
 			if baseline == "" {
-				store := s.store(b)
 				dir := benchDaemon(b, store, 1, s.medium)
 				measureUpdates(b, store, dir, func(int) string { return "key-00000" })
 				return
 			}
-			store := s.store(b)
+			sides := make([]updateSide, 2)
 			for i, bin := range []string{baseline, ""} {
-				b.Run([]string{"baseline", "head"}[i], func(b *testing.B) {
-					store := store
-					store.prefix = fmt.Sprintf("%s%d/", store.prefix, i) // each its own keys
-					dir := benchDaemonWith(b, store, 1, s.medium, benchExtras{bin: bin})
-					measureUpdates(b, store, dir, func(int) string { return "key-00000" })
-				})
+				sides[i].name = []string{"baseline", "head"}[i]
+				sides[i].store = store
+				sides[i].store.prefix = fmt.Sprintf("%s%s/", store.prefix, sides[i].name) // each its own keys
+				sides[i].dir = benchDaemonWith(b, sides[i].store, 1, s.medium, benchExtras{bin: bin})
 			}
+			measureSideBySide(b, sides)
 		})
 	}
 }
+
+// updateSide is one of the daemons measureSideBySide compares.
+type updateSide struct {
+	name  string
+	store benchStore
+	dir   string
+	// total and after are the latencies from the put, and from its
+	// commit, to the switch of ..data.
+	total, after []time.Duration
+}
+
+// measureSideBySide is measureUpdates for two daemons at once: each
+// iteration updates each side's one key in turn, the first side of one
+// iteration the second of the next. It reports each side's percentiles,
+// prefixed by its name, and the ratio of the second side's p50s to the
+// first's.
+func measureSideBySide(b *testing.B, sides []updateSide) {
+	watchers := make([]*switchWatcher, len(sides))
+	for i := range sides {
+		watchers[i] = watchSwitches(b, sides[i].dir)
+		sides[i].total, sides[i].after = make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
+	}
+	order := []int{0, 1}
+	b.ResetTimer()
+	for i := range b.N {
+		slices.Reverse(order)
+		for _, j := range order {
+			side := &sides[j]
+			value := fmt.Sprintf("update %d", i)
+			start := time.Now()
+			if err := side.store.put(side.store.prefix+"key-00000", value); err != nil {
+				b.Fatal(err)
+			}
+			committed := time.Now()
+			watchers[j].wait(b)
+			end := time.Now()
+			side.total = append(side.total, end.Sub(start))
+			side.after = append(side.after, end.Sub(committed))
+			b.StopTimer()
+			if got, err := os.ReadFile(filepath.Join(side.dir, "key-00000")); err != nil || string(got) != value {
+				b.Fatalf("%s: after the switch key-00000 = %q, %v; want %q", side.name, got, err, value)
+			}
+			b.StartTimer()
+		}
+	}
+	b.StopTimer()
+	for _, side := range sides {
+		report(b, side.name+"-e2e", side.total)
+		report(b, side.name+"-after-commit", side.after)
+	}
+	for _, m := range []struct {
+		name string
+		of   func(*updateSide) []time.Duration
+	}{{"e2e", func(s *updateSide) []time.Duration { return s.total }}, {"after-commit", func(s *updateSide) []time.Duration { return s.after }}} {
+		b.ReportMetric(float64(median(m.of(&sides[1])))/float64(median(m.of(&sides[0]))), sides[1].name+"/"+sides[0].name+"-"+m.name+"-p50")
+	}
+}
+
+// median returns the p50 of d, sorted.
+func median(d []time.Duration) time.Duration { return d[len(d)/2] }
 
 // BenchmarkOneChangeIn1000KeyMount is the latency, through etcd, when the
 // mount holds 1,000 keys and each update changes one of them, on disk and
