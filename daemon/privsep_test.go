@@ -180,3 +180,13 @@ func TestSenderWritesAnUpdateAtOnce(t *testing.T) {
 		t.Errorf("%d writes for one update; want 1", out.writes)
 	}
 }
+
+// TestWorkerProcs: the worker leaves one CPU of its GOMAXPROCS to the
+// monitor, and keeps one for itself.
+func TestWorkerProcs(t *testing.T) {
+	for procs, want := range map[int]int{1: 1, 2: 1, 4: 3, 64: 63} {
+		if got := workerProcs(procs); got != want {
+			t.Errorf("workerProcs(%d) = %d; want %d", procs, got, want)
+		}
+	}
+}
