@@ -22,7 +22,7 @@ import (
 // TestHelperProcess is the worker of the tests, run by them as a real
 // unprivileged user (roottest.User.Helper); outside them it does nothing.
 func TestHelperProcess(t *testing.T) {
-	roottest.RunHelper(map[string]func() error{"worker": testWorker, "sender": testSender, "reacher": testReacher})
+	roottest.RunHelper(map[string]func() error{"worker": testWorker, "sender": testSender, "reacher": testReacher, "echo": testEcho})
 }
 
 // workerReport is what the test worker prints: what Confine applied and,
