@@ -64,8 +64,10 @@ func (m *monitor) workerCommand() *exec.Cmd {
 	cmd.Args = []string{"kvmount-worker"}
 	cmd.Dir = "/"
 	cmd.Env = []string{WorkerEnv + "=" + m.mode, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-	if v, ok := os.LookupEnv("GORACE"); ok {
-		cmd.Env = append(cmd.Env, "GORACE="+v)
+	for _, name := range []string{"GORACE", "GOMAXPROCS"} {
+		if v, ok := os.LookupEnv(name); ok {
+			cmd.Env = append(cmd.Env, name+"="+v)
+		}
 	}
 	// What the worker writes outside the protocol (a runtime's panic) is
 	// logged a line at a time, escaped, never passed on raw.

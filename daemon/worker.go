@@ -77,7 +77,8 @@ type worker struct {
 // workerProcs returns the worker's GOMAXPROCS when the process would have
 // procs: one less, at least one, so that the worker's runtime — whose idle
 // threads spin for work each time one of its goroutines wakes — leaves a
-// CPU to the monitor, which writes what the worker sends.
+// CPU to the monitor, which writes what the worker sends. A GOMAXPROCS
+// the operator set (the monitor passes it on) is left alone.
 func workerProcs(procs int) int { return max(1, procs-1) }
 
 // applyRequest is an Apply with the inputs sent before it.
@@ -95,7 +96,9 @@ type applyRequest struct {
 // protocol.
 func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) error {
 	defer conn.Close()
-	runtime.GOMAXPROCS(workerProcs(runtime.GOMAXPROCS(0)))
+	if os.Getenv("GOMAXPROCS") == "" {
+		runtime.GOMAXPROCS(workerProcs(runtime.GOMAXPROCS(0)))
+	}
 	w := &worker{
 		registry: registry, send: &sender{enc: privsep.NewEncoder(conn)}, level: new(slog.LevelVar),
 		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{},
