@@ -53,6 +53,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 2000x -count 1 ./source/http
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./reconcile ./admin ./source/consul
+	$(GO) test -run '^$$' -bench '^BenchmarkWakeUp$$' -benchtime 2000x -count 3 ./privsep
 	$(MAKE) bench-baseline
 
 # The commit bench-baseline compares this tree with: by default the last one
