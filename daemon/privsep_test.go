@@ -1,7 +1,10 @@
 package daemon
 
 import (
+	"bytes"
 	"encoding/json"
+	"fmt"
+	"log/slog"
 	"os"
 	"regexp"
 	"slices"
@@ -188,5 +191,45 @@ func TestWorkerProcs(t *testing.T) {
 		if got := workerProcs(procs); got != want {
 			t.Errorf("workerProcs(%d) = %d; want %d", procs, got, want)
 		}
+	}
+}
+
+// TestWorkerSaysWhatItCuts: lists over the protocol's bounds reach the
+// monitor cut, with what was cut said in the last entry: sources waiting
+// past 64 as a stale entry, stale entries past it as "and N more", log
+// attributes past 32 pairs as attrs_dropped.
+func TestWorkerSaysWhatItCuts(t *testing.T) {
+	d := &reconcile.DesiredMount{}
+	for i := range 70 {
+		d.Waiting = append(d.Waiting, fmt.Sprintf("s%d", i))
+		d.Stale = append(d.Stale, fmt.Errorf("source %q: unreachable", fmt.Sprintf("t%d", i)))
+	}
+	st := mountState("app", d)
+	if len(st.Waiting) != privsep.MaxListLen || len(st.Stale) != privsep.MaxListLen {
+		t.Fatalf("%d waiting, %d stale; want %d each", len(st.Waiting), len(st.Stale), privsep.MaxListLen)
+	}
+	// 70 stale and one for the 6 waiting left out: 63 kept, 8 more.
+	if last := st.Stale[len(st.Stale)-1]; last != "and 8 more" {
+		t.Errorf("last stale entry %q; want \"and 8 more\"", last)
+	}
+	d.Stale = nil
+	if st := mountState("app", d); !slices.Equal(st.Stale, []string{"6 more sources have no snapshot yet (only 64 are named)"}) {
+		t.Errorf("stale %q; want the 6 waiting sources left out counted", st.Stale)
+	}
+
+	var buf bytes.Buffer
+	h := &workerHandler{send: &sender{enc: privsep.NewEncoder(&buf)}, level: slog.LevelInfo}
+	var args []any
+	for i := range 40 {
+		args = append(args, fmt.Sprintf("k%d", i), i)
+	}
+	slog.New(h).Info("many", args...)
+	m, err := privsep.NewDecoder(&buf, privsep.FromWorker).Decode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	attrs := m.(*privsep.Log).Attrs
+	if len(attrs) != privsep.MaxListLen || !slices.Equal(attrs[len(attrs)-2:], []string{"attrs_dropped", "9"}) {
+		t.Errorf("%d attributes, ending %q; want %d ending attrs_dropped 9", len(attrs), attrs[len(attrs)-2:], privsep.MaxListLen)
 	}
 }

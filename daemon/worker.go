@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -260,18 +261,7 @@ func (w *worker) publish() error {
 			continue
 		}
 		w.sent[name] = d
-		st := &privsep.MountState{Mount: name, Generation: d.Generation, Revision: boundRevision(d.Revision), Waiting: d.Waiting}
-		if d.Err != nil {
-			st.Err = clip(d.Err.Error(), privsep.MaxDetailLen)
-		}
-		if len(st.Waiting) > privsep.MaxListLen {
-			st.Waiting = st.Waiting[:privsep.MaxListLen]
-		}
-		for _, err := range d.Stale {
-			if len(st.Stale) < privsep.MaxListLen {
-				st.Stale = append(st.Stale, clip(err.Error(), privsep.MaxDetailLen))
-			}
-		}
+		st := mountState(name, d)
 		if d.Ready() && w.payloadGen[name] != d.Generation {
 			w.payloadGen[name] = d.Generation
 			if err := w.send.payload(st, d); err != nil {
@@ -297,6 +287,39 @@ func (w *worker) publish() error {
 		go debug.FreeOSMemory()
 	}
 	return nil
+}
+
+// mountState returns the report of d, mount name's desired state, within
+// the protocol's bounds. What a list cannot hold is said, not dropped:
+// sources waiting past MaxListLen are counted in a last stale entry, and
+// stale entries past it in "and N more".
+func mountState(name string, d *reconcile.DesiredMount) *privsep.MountState {
+	st := &privsep.MountState{Mount: name, Generation: d.Generation, Revision: boundRevision(d.Revision), Waiting: d.Waiting}
+	if d.Err != nil {
+		st.Err = clip(d.Err.Error(), privsep.MaxDetailLen)
+	}
+	stale := make([]string, 0, len(d.Stale)+1)
+	for _, err := range d.Stale {
+		stale = append(stale, clip(err.Error(), privsep.MaxDetailLen))
+	}
+	if n := len(d.Waiting) - privsep.MaxListLen; n > 0 {
+		st.Waiting = d.Waiting[:privsep.MaxListLen]
+		stale = append(stale, fmt.Sprintf("%d more sources have no snapshot yet (only %d are named)", n, privsep.MaxListLen))
+	}
+	if len(stale) > 0 {
+		st.Stale = boundList(stale)
+	}
+	return st
+}
+
+// boundList returns list if it has at most MaxListLen strings, else its
+// first MaxListLen-1 and "and N more".
+func boundList(list []string) []string {
+	if len(list) <= privsep.MaxListLen {
+		return list
+	}
+	keep := privsep.MaxListLen - 1
+	return append(list[:keep:keep], fmt.Sprintf("and %d more", len(list)-keep))
 }
 
 // allBuilt reports whether every mount of dsw has a payload or an error.
@@ -460,7 +483,10 @@ func (h *workerHandler) Handle(_ context.Context, r slog.Record) error {
 		return true
 	})
 	if len(attrs) > privsep.MaxListLen {
-		attrs = attrs[:privsep.MaxListLen]
+		// Keys and values go in pairs: the last pair says how many
+		// were left out.
+		keep := privsep.MaxListLen - 2
+		attrs = append(attrs[:keep:keep], "attrs_dropped", strconv.Itoa((len(attrs)-keep)/2))
 	}
 	return h.send.send(&privsep.Log{Level: int32(r.Level), Message: clip(r.Message, privsep.MaxDetailLen), Attrs: attrs})
 }
