@@ -32,9 +32,7 @@ func confinementWarnings(c privsep.Confinement) []string {
 // the kernel lets it run without, as warnings. workerUser is Options.WorkerUser ("" for
 // WorkerUser). It returns an error when no user can be found for it.
 func WorkerView(workerUser string) (view string, warnings []string, err error) {
-	if workerUser == "" {
-		workerUser = WorkerUser
-	}
+	workerUser = workerUserName(workerUser)
 	id, err := workerIdentity(workerUser)
 	if err != nil {
 		return "", nil, err

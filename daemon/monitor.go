@@ -31,6 +31,14 @@ const (
 	dynamicLast  = 65519
 )
 
+// workerUserName returns the worker's user: name, or WorkerUser for "".
+func workerUserName(name string) string {
+	if name == "" {
+		return WorkerUser
+	}
+	return name
+}
+
 // workerIdentity returns the worker's user and group: name's, else the
 // first id of the dynamic range that neither a user nor a group holds.
 func workerIdentity(name string) (privsep.Identity, error) {
@@ -95,11 +103,7 @@ type monitor struct {
 // worker opts say (Options.WorkerUser); the worker starts when its
 // supervisor runs.
 func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts Options) (*monitor, error) {
-	workerUser := opts.WorkerUser
-	if workerUser == "" {
-		workerUser = WorkerUser
-	}
-	id, err := workerIdentity(workerUser)
+	id, err := workerIdentity(workerUserName(opts.WorkerUser))
 	if err != nil {
 		return nil, err
 	}
