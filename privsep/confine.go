@@ -1,12 +1,12 @@
 package privsep
 
 import (
-	"golang.org/x/sys/unix"
-
 	"fmt"
+	"runtime"
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/landlock-lsm/go-landlock/landlock"
+	"golang.org/x/sys/unix"
 )
 
 // Policy is what a confined worker may still reach.
@@ -47,8 +47,9 @@ type Confinement struct {
 // for good: a Landlock ruleset (through github.com/landlock-lsm/go-landlock,
 // best effort: what the kernel's ABI offers) limits it to p, and a seccomp
 // filter (github.com/elastic/go-seccomp-bpf, with TSYNC) refuses with
-// EPERM the system calls in deniedSyscalls. It sets no_new_privs, which
-// both need. A worker calls it before it reads anything from outside.
+// EPERM the system calls in deniedSyscalls, and clone with a namespace
+// flag. It sets no_new_privs, which both need. A worker calls it before
+// it reads anything from outside.
 //
 // Without Landlock or seccomp in the kernel, Confine applies what there
 // is and says so in its result; it returns an error only when a facility
@@ -85,6 +86,9 @@ func Confine(p Policy) (Confinement, error) {
 				// cgo program's threads) falls back to clone then, and
 				// fails on EPERM.
 				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: []string{"clone3"}},
+				// clone with a namespace flag: a new thread or process of
+				// its own is all the worker may make.
+				{Action: seccomp.ActionErrno, NamesWithCondtions: cloneNamespaces()},
 			},
 		},
 	}
@@ -93,6 +97,24 @@ func Confine(p Policy) (Confinement, error) {
 	}
 	c.Seccomp = true
 	return c, nil
+}
+
+// namespaceFlags are clone(2)'s flags that make a new namespace.
+// (CLONE_NEWTIME is only clone3's and unshare's: in clone's flags its bit
+// is part of the exit signal.)
+const namespaceFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
+	unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET
+
+// cloneNamespaces is the rule that refuses clone with any of
+// namespaceFlags, where clone's flags are its first argument (amd64,
+// arm64; s390x has them second); elsewhere none.
+func cloneNamespaces() []seccomp.NameWithConditions {
+	if runtime.GOARCH != "amd64" && runtime.GOARCH != "arm64" {
+		return nil
+	}
+	return []seccomp.NameWithConditions{{Name: "clone", Conditions: seccomp.ArgumentConditions{
+		{Argument: 0, Operation: seccomp.BitsSet, Value: namespaceFlags},
+	}}}
 }
 
 // deniedSyscalls are the system calls a worker never makes, refused with

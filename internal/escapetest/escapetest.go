@@ -13,7 +13,8 @@ import (
 
 // Attempts returns, by name, what a compromised worker would try: read
 // /etc/shadow, create a file under /root and under /tmp, mount a tmpfs,
-// signal PID 1, ptrace the monitor (pid monitor), make a user namespace,
+// signal PID 1, ptrace the monitor (pid monitor), make a user namespace
+// (unshare, and a child in one: clone),
 // execute a program, change its user ids, and connect to other, a TCP
 // address its policy does not allow. Each returns nil when it succeeded,
 // and removes what it made.
@@ -26,6 +27,7 @@ func Attempts(monitor int, other string) map[string]func() error {
 		"kill 1":            func() error { return unix.Kill(1, 0) },
 		"ptrace":            func() error { return unix.PtraceAttach(monitor) },
 		"unshare user":      func() error { return unix.Unshare(unix.CLONE_NEWUSER) },
+		"clone user":        cloneUser,
 		"execve": func() error {
 			// A plain fork and exec: os/exec would open /dev/null first.
 			pid, err := syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{Dir: "/"})
@@ -57,6 +59,7 @@ var Refusals = map[string]error{
 	"kill 1":            unix.EPERM,
 	"ptrace":            unix.EPERM,
 	"unshare user":      unix.EPERM, // seccomp
+	"clone user":        unix.EPERM, // seccomp
 	"execve":            unix.EPERM, // seccomp
 	"setresuid":         unix.EPERM, // seccomp
 	"connect other":     unix.EACCES,
@@ -72,6 +75,22 @@ func Run(attempts map[string]func() error) map[string]string {
 		}
 	}
 	return out
+}
+
+// cloneUser forks a child in a new user namespace, the legacy clone(2)
+// way, which exits at once, and waits for it.
+func cloneUser() error {
+	pid, _, errno := unix.RawSyscall6(unix.SYS_CLONE, unix.CLONE_NEWUSER|uintptr(unix.SIGCHLD), 0, 0, 0, 0, 0)
+	if errno != 0 {
+		return errno
+	}
+	if pid == 0 {
+		// The child: a copy of this process with one thread, which must
+		// not run Go code.
+		unix.RawSyscall(unix.SYS_EXIT_GROUP, 0, 0, 0)
+	}
+	_, err := unix.Wait4(int(pid), nil, 0, nil)
+	return err
 }
 
 // create makes a file in dir and removes it.
