@@ -119,10 +119,16 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 				return d.monitor.workerStatus()
 			}})
 		observers = append(observers, d.admin)
-		d.notifier = notify.New(notify.Options{Log: d.log, OnResult: func(r notify.Result) {
+		nopts := notify.Options{Log: d.log, OnResult: func(r notify.Result) {
 			d.admin.NotifyResult(r)
 			svc.notifyResult(r)
-		}})
+		}}
+		if !opts.InProcess {
+			// The worker delivers webhooks (d.monitor is set below,
+			// before any notification).
+			nopts.Webhooks = webhookPoster(func(ctx context.Context, w notify.Webhook) error { return d.monitor.PostWebhook(ctx, w) })
+		}
+		d.notifier = notify.New(nopts)
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
 	}
@@ -389,3 +395,9 @@ func (d *daemon) reload(ctx context.Context) {
 	d.cfg.Admin, d.cfg.AdminSocket = cfg.Admin, cfg.AdminSocket
 	d.log.Info("configuration reloaded", "mounts", len(cfg.Mounts), "sources", len(cfg.Sources))
 }
+
+// webhookPoster is a notify.WebhookPoster of a function.
+type webhookPoster func(ctx context.Context, w notify.Webhook) error
+
+// PostWebhook implements notify.WebhookPoster.
+func (f webhookPoster) PostWebhook(ctx context.Context, w notify.Webhook) error { return f(ctx, w) }

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
 )
 
@@ -97,6 +99,12 @@ type monitor struct {
 	offered privsep.Confinement
 	// mode is the worker's WorkerEnv value (Options.workerMode).
 	mode string
+
+	mu sync.Mutex
+	// postSeq numbers the webhooks handed to the worker; posts are those
+	// waiting for its answer, by Seq.
+	postSeq uint32
+	posts   map[uint32]chan string
 }
 
 // newMonitor returns the monitor of cfg, whose files rec read, with the
@@ -157,6 +165,14 @@ func (m *monitor) handle(msg privsep.Message) {
 		attrs = append(attrs, slog.String("from", "worker"))
 		level := min(max(slog.Level(msg.Level), slog.LevelDebug), slog.LevelError)
 		m.log.LogAttrs(context.Background(), level, msg.Message, attrs...)
+	case *privsep.Posted:
+		m.mu.Lock()
+		answer := m.posts[msg.Seq]
+		delete(m.posts, msg.Seq)
+		m.mu.Unlock()
+		if answer != nil {
+			answer <- msg.Err
+		}
 	case *privsep.Reread:
 		answer := &privsep.Credential{Name: msg.Name}
 		if !slices.Contains(*m.rereads.Load(), msg.Name) {
@@ -170,6 +186,51 @@ func (m *monitor) handle(msg privsep.Message) {
 		m.super.Send(answer)
 	default:
 		m.remote.HandleMessage(msg)
+	}
+}
+
+// postGrace is how long the monitor waits for the worker's answer to a
+// webhook beyond the webhook's own timeout.
+const postGrace = 5 * time.Second
+
+// PostWebhook implements notify.WebhookPoster: the worker delivers w
+// (privsep.Post), so that the webhook's response is read by an
+// unprivileged process, never by root. It returns the worker's error for
+// the delivery, or why there was none: no worker runs (it is being
+// started again), w is over the protocol's bounds, or no answer came
+// within w.Timeout and postGrace (the worker ended meanwhile).
+func (m *monitor) PostWebhook(ctx context.Context, w notify.Webhook) error {
+	post := &privsep.Post{URL: w.URL, Target: w.Target, Header: w.Header, Body: w.Body, Timeout: w.Timeout}
+	if err := privsep.Fits(post); err != nil {
+		return fmt.Errorf("webhook %s: %w", w.Target, err)
+	}
+	answer := make(chan string, 1)
+	m.mu.Lock()
+	m.postSeq++
+	post.Seq = m.postSeq
+	if m.posts == nil {
+		m.posts = map[uint32]chan string{}
+	}
+	m.posts[post.Seq] = answer
+	m.mu.Unlock()
+	defer func() {
+		m.mu.Lock()
+		delete(m.posts, post.Seq)
+		m.mu.Unlock()
+	}()
+	if !m.super.Send(post) {
+		return fmt.Errorf("webhook %s: the worker, which delivers it, is not running", w.Target)
+	}
+	ctx, cancel := context.WithTimeout(ctx, w.Timeout+postGrace)
+	defer cancel()
+	select {
+	case e := <-answer:
+		if e != "" {
+			return errors.New(e)
+		}
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("webhook %s: no answer from the worker, which delivers it: %w", w.Target, ctx.Err())
 	}
 }
 

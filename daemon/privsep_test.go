@@ -5,6 +5,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/netip"
 	"os"
 	"regexp"
 	"slices"
@@ -231,5 +234,72 @@ func TestWorkerSaysWhatItCuts(t *testing.T) {
 	attrs := m.(*privsep.Log).Attrs
 	if len(attrs) != privsep.MaxListLen || !slices.Equal(attrs[len(attrs)-2:], []string{"attrs_dropped", "9"}) {
 		t.Errorf("%d attributes, ending %q; want %d ending attrs_dropped 9", len(attrs), attrs[len(attrs)-2:], privsep.MaxListLen)
+	}
+}
+
+// socketOwner returns the uid that owns the TCP socket bound to addr
+// (ip:port, IPv4), from /proc/net/tcp.
+func socketOwner(t *testing.T, addr string) int {
+	t.Helper()
+	ap, err := netip.ParseAddrPort(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ip := ap.Addr().As4()
+	// The kernel prints the address as a native-endian (little-endian
+	// here) 32-bit number, and the port big-endian, both in hex.
+	want := fmt.Sprintf("%02X%02X%02X%02X:%04X", ip[3], ip[2], ip[1], ip[0], ap.Port())
+	table, err := os.ReadFile("/proc/net/tcp")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(table), "\n")[1:] {
+		f := strings.Fields(line)
+		if len(f) > 7 && f[1] == want {
+			uid, _ := strconv.Atoi(f[7])
+			return uid
+		}
+	}
+	t.Fatalf("no socket %s (%s) in /proc/net/tcp", addr, want)
+	return -1
+}
+
+// TestWebhookFromTheWorker: a webhook is delivered by the worker, not by
+// root — the connection that reaches the webhook belongs to the worker's
+// user — and an error response reaches the monitor's log and /status as
+// the worker reported it, escaped.
+func TestWebhookFromTheWorker(t *testing.T) {
+	owners := make(chan int, 16)
+	hook := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		owners <- socketOwner(t, r.RemoteAddr)
+		if r.Header.Get("X-Token") != "t0k" || r.Header.Get("Content-Type") != "application/json" {
+			t.Errorf("headers %v", r.Header)
+		}
+		if r.URL.Path == "/fail" {
+			http.Error(w, "no\x1b[31m", http.StatusServiceUnavailable)
+		}
+	}))
+	defer hook.Close()
+	h := newHarness(t)
+	h.put("/apps/app/app.conf", "v1")
+	h.writeConfig(h.mount("app", "/apps/app/", "  [[mount.notify]]", fmt.Sprintf("  webhook = %q", hook.URL+"/ok"), "  headers = { X-Token = \"t0k\" }",
+		"  [[mount.notify]]", fmt.Sprintf("  webhook = %q", hook.URL+"/fail"), "  headers = { X-Token = \"t0k\" }"))
+	h.start()
+	h.waitContent(h.path("mnt", "app"), map[string]string{"app.conf": "v1"})
+	worker, _ := strconv.Atoi(workerPID(t, h, 1))
+	w := workerStatus(t, h)
+	for range 2 {
+		select {
+		case uid := <-owners:
+			if uid == 0 || uid != w.UID {
+				t.Errorf("the webhook's connection is uid %d's; want the worker's (pid %d, uid %d)", uid, worker, w.UID)
+			}
+		case <-time.After(waitTimeout):
+			t.Fatal("no webhook")
+		}
+	}
+	h.waitLog("503 Service Unavailable", `x1b[31m`)
+	if strings.Contains(h.logs.String(), "no\x1b") {
+		t.Error("the webhook's answer is logged raw")
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"net/http"
 	"os"
 	"os/signal"
 	"reflect"
@@ -15,12 +16,14 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/reconcile"
 	"github.com/kvmount/kvmount/source"
@@ -73,6 +76,11 @@ type worker struct {
 	rereads    *rereads
 	// settled is set once every mount had a payload or an error.
 	settled bool
+	// confined is set once the worker is confined: before, it delivers
+	// no webhook.
+	confined atomic.Bool
+	// webhooks delivers the webhooks the monitor hands over.
+	webhooks *http.Client
 }
 
 // workerProcs returns the worker's GOMAXPROCS when the process would have
@@ -108,7 +116,8 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 	w.log = slog.New(&workerHandler{send: w.send, level: w.level})
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
-	go func() { readErr <- w.read(conn, applies) }()
+	w.webhooks = &http.Client{}
+	go func() { readErr <- w.read(ctx, conn, applies) }()
 	defer w.close()
 	for {
 		select {
@@ -142,8 +151,9 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 }
 
 // read decodes the monitor's messages: Inputs gathered until an Apply,
-// Credentials handed to the reads waiting for them.
-func (w *worker) read(r io.Reader, applies chan<- applyRequest) error {
+// Credentials handed to the reads waiting for them, webhooks delivered
+// each on a goroutine of its own, until ctx is done.
+func (w *worker) read(ctx context.Context, r io.Reader, applies chan<- applyRequest) error {
 	d := privsep.NewDecoder(r, privsep.FromMonitor)
 	inputs := map[string][]byte{}
 	for {
@@ -159,8 +169,22 @@ func (w *worker) read(r io.Reader, applies chan<- applyRequest) error {
 			inputs = map[string][]byte{}
 		case *privsep.Credential:
 			w.rereads.answer(m)
+		case *privsep.Post:
+			go w.post(ctx, m)
 		}
 	}
+}
+
+// post delivers the webhook m (notify.Deliver) and answers the monitor
+// with how it went.
+func (w *worker) post(ctx context.Context, m *privsep.Post) {
+	answer := &privsep.Posted{Seq: m.Seq}
+	if !w.confined.Load() {
+		answer.Err = "webhook " + clip(m.Target, privsep.MaxNameLen) + ": the worker is not confined yet"
+	} else if err := notify.Deliver(ctx, w.webhooks, notify.Webhook{URL: m.URL, Target: m.Target, Header: m.Header, Body: m.Body, Timeout: m.Timeout}); err != nil {
+		answer.Err = clip(err.Error(), privsep.MaxDetailLen)
+	}
+	_ = w.send.send(answer)
 }
 
 // apply runs the configuration req gives: the first one confines the
@@ -191,6 +215,7 @@ func (w *worker) apply(req applyRequest) error {
 		for _, warning := range confinementWarnings(c) {
 			w.log.Warn("the worker runs with what the kernel offers (another user, no capability, no_new_privs)", "warning", warning)
 		}
+		w.confined.Store(true)
 		if afterConfine != nil {
 			afterConfine(cfg, w.log)
 		}

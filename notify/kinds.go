@@ -8,8 +8,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
+	"slices"
 	"strings"
+	"time"
 
 	"github.com/kvmount/kvmount/command"
 	"github.com/kvmount/kvmount/config"
@@ -51,49 +54,76 @@ type webhookBody struct {
 // webhookBodyLimit is how much of an error response's body is quoted.
 const webhookBodyLimit = 512
 
-// postWebhook POSTs the change as JSON with the entry's headers; any
-// status but 2xx is an error. Redirects follow origin.CheckRedirect: the
-// headers and header_files never reach another origin, and https never
-// falls back to http.
+// Webhook is one delivery of a webhook entry, everything its POST needs:
+// what the monitor hands the worker to send (Options.Webhooks).
+type Webhook struct {
+	// URL is where it goes; Target names it in errors (the entry's
+	// Target).
+	URL, Target string
+	// Header holds the entry's headers and header_files, name and value
+	// in turn: any may be a credential, and none reaches another origin.
+	Header []string
+	// Body is the JSON of the change (webhookBody).
+	Body []byte
+	// Timeout bounds the delivery, from the connection to the response.
+	Timeout time.Duration
+}
+
+// WebhookPoster delivers webhooks. PostWebhook returns Deliver's error,
+// or why the delivery could not be made.
+type WebhookPoster interface {
+	PostWebhook(ctx context.Context, w Webhook) error
+}
+
+// postWebhook POSTs the change as JSON with the entry's headers, through
+// Options.Webhooks, else itself (Deliver).
 func (n *Notifier) postWebhook(ctx context.Context, e config.Notify, c Change) error {
 	body, err := json.Marshal(webhookBody{Mount: c.Mount, Dir: c.Dir, Version: c.Version, Revision: c.Revision,
 		Added: nonNil(c.Added), Changed: nonNil(c.Changed), Removed: nonNil(c.Removed)})
 	if err != nil {
 		return fmt.Errorf("webhook: %w", err)
 	}
-	ctx, cancel := context.WithTimeout(ctx, e.Timeout)
+	w := Webhook{URL: e.Webhook, Target: e.Target(), Body: body, Timeout: e.Timeout}
+	for _, name := range slices.Sorted(maps.Keys(e.Headers)) {
+		w.Header = append(w.Header, name, e.Headers[name])
+	}
+	for _, name := range slices.Sorted(maps.Keys(e.HeaderFiles)) {
+		w.Header = append(w.Header, name, e.HeaderFiles[name].Reveal())
+	}
+	if n.opts.Webhooks != nil {
+		return n.opts.Webhooks.PostWebhook(ctx, w)
+	}
+	return Deliver(ctx, n.opts.HTTPClient, w)
+}
+
+// Deliver POSTs w with client (whose CheckRedirect it replaces); any
+// status but 2xx is an error quoting the start of the response's body.
+// Redirects follow origin.CheckRedirect: the headers never reach another
+// origin, and https never falls back to http.
+func Deliver(ctx context.Context, client *http.Client, w Webhook) error {
+	ctx, cancel := context.WithTimeout(ctx, w.Timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.Webhook, bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, w.URL, bytes.NewReader(w.Body))
 	if err != nil {
 		return fmt.Errorf("webhook: %w", err)
 	}
 	req.Header.Set("Content-Type", "application/json")
-	for name, v := range e.Headers {
-		req.Header.Set(name, v)
-	}
-	for name, v := range e.HeaderFiles {
-		req.Header.Set(name, v.Reveal())
-	}
-	// Configured headers may hold credentials: they go to the webhook's
-	// own origin only, as the HTTP source's do.
 	var names []string
-	for name := range e.Headers {
-		names = append(names, name)
+	for i := 0; i+1 < len(w.Header); i += 2 {
+		req.Header.Set(w.Header[i], w.Header[i+1])
+		names = append(names, w.Header[i])
 	}
-	for name := range e.HeaderFiles {
-		names = append(names, name)
-	}
-	client := *n.opts.HTTPClient
-	client.CheckRedirect = origin.CheckRedirect(names...)
-	resp, err := client.Do(req)
+	c := *client
+	c.CheckRedirect = origin.CheckRedirect(names...)
+	resp, err := c.Do(req)
 	if err != nil {
-		return fmt.Errorf("webhook %s: %w", e.Target(), errors.Unwrap(err))
+		return fmt.Errorf("webhook %s: %w", w.Target, errors.Unwrap(err))
 	}
 	defer resp.Body.Close()
 	msg, _ := io.ReadAll(io.LimitReader(resp.Body, webhookBodyLimit))
 	_, _ = io.Copy(io.Discard, resp.Body)
 	if resp.StatusCode/100 != 2 {
-		return fmt.Errorf("webhook %s: %s: %q", e.Target(), resp.Status, strings.TrimSpace(string(msg)))
+		return fmt.Errorf("webhook %s: %s: %q", w.Target, resp.Status, strings.TrimSpace(string(msg)))
 	}
 	return nil
 }

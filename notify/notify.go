@@ -72,9 +72,13 @@ type Options struct {
 	// OnResult, when set, is called after every attempt, from the mount's
 	// worker goroutine; it must not block for long.
 	OnResult func(Result)
-	// HTTPClient sends webhooks; nil means a client like
-	// http.DefaultClient. Its CheckRedirect is replaced, per entry, by
-	// origin.CheckRedirect.
+	// Webhooks delivers webhooks; nil means Deliver with HTTPClient, in
+	// this process. kvmount's monitor has its unprivileged worker deliver
+	// them, so that no response is read by root.
+	Webhooks WebhookPoster
+	// HTTPClient sends webhooks when Webhooks is nil; nil means a client
+	// like http.DefaultClient. Its CheckRedirect is replaced, per entry,
+	// by origin.CheckRedirect.
 	HTTPClient *http.Client
 	// SystemdConn connects to systemd; nil means the system bus.
 	SystemdConn SystemdConnector

@@ -2,6 +2,7 @@ package privsep
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/kvmount/kvmount/projector"
 )
@@ -33,6 +34,13 @@ const (
 	// MaxInputLen bounds an Input's value, in bytes: the configuration
 	// file, or a file it names.
 	MaxInputLen = 4 << 20
+	// MaxURLLen bounds a webhook's URL, and MaxHeaderLen each of its
+	// headers' names and values, in bytes.
+	MaxURLLen    = 8 << 10
+	MaxHeaderLen = 8 << 10
+	// MaxWebhookLen bounds a webhook's body, in bytes: the JSON of the
+	// paths a change added, changed and removed.
+	MaxWebhookLen = 4 << 20
 )
 
 // Message types, the fifth byte of a frame's header.
@@ -50,6 +58,8 @@ const (
 	typeReread     = 11
 	typeInput      = 12
 	typeApply      = 13
+	typePost       = 14
+	typePosted     = 15
 )
 
 // kind is what the decoder knows of a message type: its sender, the
@@ -99,6 +109,16 @@ var messageKinds = map[byte]kind{
 	}},
 	typeApply: {FromMonitor, 4 + 2 + MaxFileNameLen, func(p *parser) Message {
 		return &Apply{Seq: p.uint32(), Config: p.string(MaxFileNameLen)}
+	}},
+	typePost: {FromMonitor, 4 + 2 + MaxURLLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxHeaderLen) + 4 + MaxWebhookLen + 8, func(p *parser) Message {
+		m := &Post{Seq: p.uint32(), URL: p.string(MaxURLLen), Target: p.string(MaxDetailLen), Header: p.list(MaxHeaderLen), Body: p.bytes(MaxWebhookLen), Timeout: time.Duration(p.uint64())}
+		if len(m.Header)%2 != 0 && p.err == nil {
+			p.err = fmt.Errorf("%d header strings, not name and value pairs", len(m.Header))
+		}
+		return m
+	}},
+	typePosted: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser) Message {
+		return &Posted{Seq: p.uint32(), Err: p.string(MaxDetailLen)}
 	}},
 }
 
@@ -199,6 +219,25 @@ type Apply struct {
 	Config string
 }
 
+// Post (monitor) has the worker deliver a webhook (notify.Webhook):
+// POST Body to URL with Header (name and value in turn), within Timeout;
+// the worker answers with Posted Seq. A webhook's response is read by
+// the worker, never by root.
+type Post struct {
+	Seq         uint32
+	URL, Target string
+	Header      []string
+	Body        []byte
+	Timeout     time.Duration
+}
+
+// Posted (worker) answers Post Seq: Err is empty when the webhook answered
+// 2xx, else why the delivery failed.
+type Posted struct {
+	Seq uint32
+	Err string
+}
+
 func (*Begin) msgType() byte      { return typeBegin }
 func (*File) msgType() byte       { return typeFile }
 func (*Data) msgType() byte       { return typeData }
@@ -212,6 +251,8 @@ func (*Reread) msgType() byte     { return typeReread }
 func (*Credential) msgType() byte { return typeCredential }
 func (*Input) msgType() byte      { return typeInput }
 func (*Apply) msgType() byte      { return typeApply }
+func (*Post) msgType() byte       { return typePost }
+func (*Posted) msgType() byte     { return typePosted }
 
 func (m *Begin) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
@@ -309,5 +350,26 @@ func (m *Apply) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
 	w.uint32(m.Seq)
 	w.string(m.Config, MaxFileNameLen)
+	return w.b, w.err
+}
+
+func (m *Post) put(b []byte) ([]byte, error) {
+	if len(m.Header)%2 != 0 {
+		return b, fmt.Errorf("%w: %d header strings, not name and value pairs", ErrMalformed, len(m.Header))
+	}
+	w := writer{b: b}
+	w.uint32(m.Seq)
+	w.string(m.URL, MaxURLLen)
+	w.string(m.Target, MaxDetailLen)
+	w.list(m.Header, MaxHeaderLen)
+	w.bytes(m.Body, MaxWebhookLen)
+	w.uint64(uint64(max(m.Timeout, 0)))
+	return w.b, w.err
+}
+
+func (m *Posted) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.uint32(m.Seq)
+	w.string(m.Err, MaxDetailLen)
 	return w.b, w.err
 }

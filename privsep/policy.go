@@ -23,12 +23,13 @@ var (
 // dnsPort is where a worker's resolver sends its queries (RFC 1035).
 const dnsPort = 53
 
-// PolicyFor returns the policy of the worker that follows cfg's sources:
-// the resolver's and CA certificates' files, the TCP port of every
-// store URL (its explicit port, else 80 for http and 443 for https), the
-// socket of a unix:// or unixs:// endpoint, and port 53 over TCP and UDP
-// when a URL names a host that is not an IP address or localhost. It
-// returns an error for a URL it cannot read.
+// PolicyFor returns the policy of the worker that follows cfg's sources
+// and delivers its mounts' webhooks: the resolver's and CA certificates'
+// files, the TCP port of every store and webhook URL (its explicit port,
+// else 80 for http and 443 for https), the socket of a unix:// or
+// unixs:// endpoint, and port 53 over TCP and UDP when a URL names a host
+// that is not an IP address or localhost. It returns an error for a URL
+// it cannot read.
 func PolicyFor(cfg *config.Config) (Policy, error) {
 	p := Policy{ReadFiles: slices.Clone(baseFiles), ReadDirs: slices.Clone(baseDirs)}
 	dns := false
@@ -39,25 +40,18 @@ func PolicyFor(cfg *config.Config) (Policy, error) {
 			return Policy{}, fmt.Errorf("source %q (%s) does not say what it connects to", name, src.Type)
 		}
 		for _, raw := range urls.StoreURLs() {
-			u, err := url.Parse(raw)
-			if err != nil {
-				return Policy{}, fmt.Errorf("source %q: %q: %w", name, raw, err)
+			if err := p.allow(raw, &dns); err != nil {
+				return Policy{}, fmt.Errorf("source %q: %w", name, err)
 			}
-			if u.Scheme == "unix" || u.Scheme == "unixs" {
-				p.UnixSockets = appendNew(p.UnixSockets, u.Host+u.Path)
+		}
+	}
+	for _, m := range cfg.Mounts {
+		for _, n := range m.Notify {
+			if n.Webhook == "" {
 				continue
 			}
-			port := u.Port()
-			if port == "" {
-				port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
-			}
-			n, err := strconv.ParseUint(port, 10, 16)
-			if err != nil || n == 0 {
-				return Policy{}, fmt.Errorf("source %q: %q: no TCP port", name, raw)
-			}
-			p.ConnectTCP = appendNew(p.ConnectTCP, uint16(n))
-			if host := u.Hostname(); host != "localhost" && net.ParseIP(host) == nil {
-				dns = true
+			if err := p.allow(n.Webhook, &dns); err != nil {
+				return Policy{}, fmt.Errorf("mount %q: webhook: %w", m.Name, err)
 			}
 		}
 	}
@@ -66,6 +60,32 @@ func PolicyFor(cfg *config.Config) (Policy, error) {
 		p.SendUDP = appendNew(p.SendUDP, dnsPort)
 	}
 	return p, nil
+}
+
+// allow adds what reaching raw takes to p: its unix socket, or its TCP
+// port; dns is set when it names a host to resolve.
+func (p *Policy) allow(raw string, dns *bool) error {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return fmt.Errorf("%q: %w", raw, err)
+	}
+	if u.Scheme == "unix" || u.Scheme == "unixs" {
+		p.UnixSockets = appendNew(p.UnixSockets, u.Host+u.Path)
+		return nil
+	}
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || n == 0 {
+		return fmt.Errorf("%q: no TCP port", raw)
+	}
+	p.ConnectTCP = appendNew(p.ConnectTCP, uint16(n))
+	if host := u.Hostname(); host != "localhost" && net.ParseIP(host) == nil {
+		*dns = true
+	}
+	return nil
 }
 
 // appendNew appends v to s unless s holds it.

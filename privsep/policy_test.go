@@ -39,9 +39,9 @@ func parseConfig(t *testing.T, text string) *config.Config {
 	return cfg
 }
 
-// TestPolicyFor: the worker's ports are those of every store URL, by
-// scheme where none is given, with DNS where a URL names a host; a unix
-// endpoint is a socket.
+// TestPolicyFor: the worker's ports are those of every store and webhook
+// URL, by scheme where none is given, with DNS where a URL names a host; a
+// unix endpoint is a socket.
 func TestPolicyFor(t *testing.T) {
 	token := filepath.Join(t.TempDir(), "token")
 	if err := os.WriteFile(token, []byte("t"), 0o600); err != nil {
@@ -79,6 +79,23 @@ token_file = %q
 	p, err = PolicyFor(parseConfig(t, "[sources.main]\ntype = \"etcd\"\nendpoints = [\"http://127.0.0.1:2379\"]\n"))
 	if err != nil || !slices.Equal(p.ConnectTCP, []uint16{2379}) || len(p.SendUDP) != 0 {
 		t.Errorf("%+v, %v", p, err)
+	}
+	// A mount's webhooks, which the worker delivers.
+	p, err = PolicyFor(parseConfig(t, `[sources.main]
+type = "etcd"
+endpoints = ["http://127.0.0.1:2379"]
+[[mount]]
+name = "app"
+dir = "/srv/app"
+source = "main"
+  [[mount.notify]]
+  webhook = "http://127.0.0.1:9000/reload"
+  [[mount.notify]]
+  webhook = "https://hooks.example.com/kvmount"
+`))
+	slices.Sort(p.ConnectTCP)
+	if err != nil || !slices.Equal(p.ConnectTCP, []uint16{53, 443, 2379, 9000}) || !slices.Equal(p.SendUDP, []uint16{53}) {
+		t.Errorf("with webhooks: %+v, %v", p, err)
 	}
 }
 

@@ -189,14 +189,17 @@ func (s *Supervisor) Starts() uint64 { return s.starts.Load() }
 func (s *Supervisor) Refusals() uint64 { return s.refusals.Load() }
 
 // Send queues msgs for the running worker, if one runs (answers to its
-// requests); it never blocks.
-func (s *Supervisor) Send(msgs ...Message) {
+// requests, webhooks to deliver), and reports whether one did; it never
+// blocks.
+func (s *Supervisor) Send(msgs ...Message) bool {
 	s.mu.Lock()
 	l := s.link
 	s.mu.Unlock()
-	if l != nil {
-		l.send(msgs...)
+	if l == nil {
+		return false
 	}
+	l.send(msgs...)
+	return true
 }
 
 // Configure makes c the configuration of the workers started from now on

@@ -59,6 +59,13 @@ type Encoder struct {
 // NewEncoder returns an encoder writing to w.
 func NewEncoder(w io.Writer) *Encoder { return &Encoder{w: bufio.NewWriter(w)} }
 
+// Fits returns nil when m is within the protocol's bounds, else the error
+// wrapping ErrMalformed that Encode would return.
+func Fits(m Message) error {
+	_, err := m.put(nil)
+	return err
+}
+
 // Encode writes m as one frame (EncodeFile writes a file with its bytes).
 // It returns an error wrapping ErrMalformed for a message over the
 // protocol's bounds (nothing is written then), or the writer's error.

@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvmount/kvmount/projector"
 )
@@ -96,11 +97,13 @@ func TestRoundTrip(t *testing.T) {
 		&Log{Level: -4, Message: "m", Attrs: []string{"mount", "app", "n", "3"}},
 		&Applied{Seq: 9, Err: "no"},
 		&Reread{Name: "/etc/kvmount/token"},
+		&Posted{Seq: 3, Err: "webhook 127.0.0.1:8080: 503 Service Unavailable"},
 	}
 	fromMonitor := []Message{
 		&Credential{Name: "/etc/kvmount/token", Value: []byte("s3cret"), Err: ""},
 		&Input{Name: "/etc/kvmount/kvmount.toml", Value: []byte(big)},
 		&Apply{Seq: 9, Config: "/etc/kvmount/kvmount.toml"},
+		&Post{Seq: 3, URL: "http://127.0.0.1:8080/hook", Target: "127.0.0.1:8080", Header: []string{"Authorization", "Bearer t"}, Body: []byte(`{"mount":"app"}`), Timeout: 10 * time.Second},
 	}
 	for _, dir := range []struct {
 		from Side
@@ -282,6 +285,7 @@ func FuzzDecode(f *testing.F) {
 	f.Add(payloadFrames(f, "small", "r2", map[string]string{"x": "0123456789"}))
 	f.Add(encode(f, &State{Source: "s", Err: "d"}, &MountState{Mount: "app", Waiting: []string{"s"}}, &Log{Message: "m", Attrs: []string{"k", "v"}}))
 	f.Add(fileFrame("../x", 0o644, 1))
+	f.Add(encode(f, &Posted{Seq: 1, Err: "webhook: 500"}, &Applied{Seq: 2}))
 	f.Fuzz(func(t *testing.T, stream []byte) {
 		payloads, _ := assemble(stream, testMounts)
 		for _, p := range payloads {
