@@ -115,7 +115,7 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	if err != nil {
 		return nil, err
 	}
-	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered(), mode: opts.workerMode}
+	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered(), mode: opts.workerMode, posts: map[uint32]chan string{}}
 	if m.mode == "" {
 		m.mode = "worker"
 	}
@@ -208,9 +208,6 @@ func (m *monitor) PostWebhook(ctx context.Context, w notify.Webhook) error {
 	m.mu.Lock()
 	m.postSeq++
 	post.Seq = m.postSeq
-	if m.posts == nil {
-		m.posts = map[uint32]chan string{}
-	}
 	m.posts[post.Seq] = answer
 	m.mu.Unlock()
 	defer func() {

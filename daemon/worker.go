@@ -111,12 +111,12 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 	w := &worker{
 		registry: registry, send: &sender{enc: privsep.NewEncoder(conn)}, level: new(slog.LevelVar),
 		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{},
+		webhooks: &http.Client{},
 	}
 	w.rereads = &rereads{send: w.send, waiting: map[string][]chan *privsep.Credential{}}
 	w.log = slog.New(&workerHandler{send: w.send, level: w.level})
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
-	w.webhooks = &http.Client{}
 	go func() { readErr <- w.read(ctx, conn, applies) }()
 	defer w.close()
 	for {
@@ -384,10 +384,8 @@ type sender struct {
 func (s *sender) send(msgs ...privsep.Message) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, m := range msgs {
-		if err := s.enc.Encode(m); err != nil {
-			return err
-		}
+	if err := s.encode(msgs); err != nil {
+		return err
 	}
 	return s.enc.Flush()
 }
@@ -397,6 +395,11 @@ func (s *sender) send(msgs ...privsep.Message) error {
 func (s *sender) queue(msgs ...privsep.Message) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.encode(msgs)
+}
+
+// encode encodes msgs; s.mu is held.
+func (s *sender) encode(msgs []privsep.Message) error {
 	for _, m := range msgs {
 		if err := s.enc.Encode(m); err != nil {
 			return err
