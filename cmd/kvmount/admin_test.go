@@ -139,12 +139,14 @@ func TestAdminCannotBeSquattedOrStarved(t *testing.T) {
 	u.Chown(t, dir)
 	fake := filepath.Join(dir, "kvmount.sock")
 	perl(t, u, fmt.Sprintf(`$s = IO::Socket::UNIX->new(Local => "%s", Listen => 5) or die; %s`, fake, impostor))
+	// Listening, not only bound: the file appears at bind, before listen.
 	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(fake); err == nil {
+		if c, err := net.Dial("unix", fake); err == nil {
+			c.Close()
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the impostor socket never appeared")
+			t.Fatal("the impostor socket never listened")
 		}
 	}
 	cfg := filepath.Join(e.base, "impostor.toml")
