@@ -99,6 +99,27 @@ func TestAppRole(t *testing.T) {
 	}
 }
 
+// TestAppRoleRevokedBetweenReads: a token revoked while no read is due is
+// found by its renewal, and the log says it was revoked — not that it
+// reached its maximum TTL (Vault's lifetime watcher ends without an error
+// in both cases).
+func TestAppRoleRevokedBetweenReads(t *testing.T) {
+	srv := vaulttest.Start(t)
+	srv.Put(t, "secret", "app/db", map[string]any{"password": "p"})
+	table := appRole(t, srv, "3s", "1h")
+	src, logs := openTest(t, fmt.Sprintf("address = %q\npoll_interval = \"1h\"\n%s", srv.URL(), table))
+	rec := sourcetest.Follow(t, src, "secret/app/")
+	rec.WaitFor(t, "the secret", sourcetest.Holds(map[string]string{"db/password": "p"}))
+	waitLog(t, logs, 1, "logged in to vault", "method=approle")
+	if err := srv.Client(t).Auth().Token().RevokeTree(src.client.Token()); err != nil {
+		t.Fatal(err)
+	}
+	waitLog(t, logs, 2, "logged in to vault", "method=approle")
+	if logs.Count("replacing the vault token", "revoked") != 1 || logs.Count("maximum TTL") != 0 {
+		t.Errorf("the log does not say the token was revoked:\n%s", logs)
+	}
+}
+
 // TestTokenFile: a token file's token that is revoked is reported, and the
 // file is read again until it holds a valid one (a vault-agent sink
 // writes the next).

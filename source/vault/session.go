@@ -200,13 +200,25 @@ func (s *session) keep(ctx context.Context, auth *api.SecretAuth) string {
 			if err != nil {
 				return fmt.Sprintf("renewing it failed: %v", describe(err))
 			}
-			return "it cannot be renewed beyond its maximum TTL"
+			return s.whyEnded(ctx)
 		case r := <-w.RenewCh():
 			if r != nil && r.Secret != nil && r.Secret.Auth != nil {
 				s.log.Debug("renewed the vault token", "ttl_seconds", r.Secret.Auth.LeaseDuration)
 			}
 		}
 	}
+}
+
+// whyEnded says why a lifetime watcher stopped without an error. The
+// watcher stops so both near the token's maximum TTL and when Vault
+// refuses a renewal with "permission denied" (the token was revoked: the
+// watcher then treats it as not renewable and gives up at once, see
+// api.LifetimeWatcher); a lookup-self tells the two apart.
+func (s *session) whyEnded(ctx context.Context) string {
+	if _, err := s.client.Auth().Token().LookupSelfWithContext(ctx); statusOf(err) == http.StatusForbidden {
+		return "the token was revoked (Vault refused its renewal)"
+	}
+	return "it cannot be renewed beyond its maximum TTL"
 }
 
 // login obtains a token: the one token_file holds, looked up for its TTL,
