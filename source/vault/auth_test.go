@@ -10,6 +10,7 @@ import (
 	"github.com/hashicorp/vault/api"
 
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/internal/vaulttest"
 )
 
@@ -45,18 +46,28 @@ path "sys/internal/ui/mounts/*" { capabilities = ["read"] }`})
 		writeFile(t, dir, "role-id", role.Data["role_id"].(string)), writeFile(t, dir, "secret-id", sid.Data["secret_id"].(string)))
 }
 
+// loggedIn starts a Vault holding secret/app/db with password, and a
+// source that logs in with AppRole (tokens of a 3 s TTL, at most maxTTL)
+// and reads every poll; it returns once the source has logged in and its
+// follow of secret/app/ holds the password.
+func loggedIn(t *testing.T, password, maxTTL, poll string) (*vaulttest.Server, *Source, *testlog.Buffer, *sourcetest.Recorder) {
+	t.Helper()
+	srv := vaulttest.Start(t)
+	srv.Put(t, "secret", "app/db", map[string]any{"password": password})
+	table := appRole(t, srv, "3s", maxTTL)
+	src, logs := openTest(t, fmt.Sprintf("address = %q\npoll_interval = %q\n%s", srv.URL(), poll, table))
+	rec := sourcetest.Follow(t, src, "secret/app/")
+	rec.WaitFor(t, "the secret", sourcetest.Holds(map[string]string{"db/password": password}))
+	waitLog(t, logs, 1, "logged in to vault", "method=approle")
+	return srv, src, logs, rec
+}
+
 // TestAppRole logs in with AppRole, renews the token at two thirds of its
 // TTL (seen on the server: the token's TTL goes back up), logs in again
 // before its maximum TTL and at once when the token is revoked; a token or
 // a secret's value never reaches the log or an error.
 func TestAppRole(t *testing.T) {
-	srv := vaulttest.Start(t)
-	srv.Put(t, "secret", "app/db", map[string]any{"password": "hunter2-value"})
-	table := appRole(t, srv, "3s", "9s")
-	src, logs := openTest(t, fmt.Sprintf("address = %q\npoll_interval = \"100ms\"\n%s", srv.URL(), table))
-	rec := sourcetest.Follow(t, src, "secret/app/")
-	rec.WaitFor(t, "the secret", sourcetest.Holds(map[string]string{"db/password": "hunter2-value"}))
-	waitLog(t, logs, 1, "logged in to vault", "method=approle")
+	srv, src, logs, rec := loggedIn(t, "hunter2-value", "9s", "100ms")
 
 	// Renewal: the token's TTL is 3 s; after 4 s it is still valid.
 	token := src.client.Token()
@@ -104,13 +115,7 @@ func TestAppRole(t *testing.T) {
 // reached its maximum TTL (Vault's lifetime watcher ends without an error
 // in both cases).
 func TestAppRoleRevokedBetweenReads(t *testing.T) {
-	srv := vaulttest.Start(t)
-	srv.Put(t, "secret", "app/db", map[string]any{"password": "p"})
-	table := appRole(t, srv, "3s", "1h")
-	src, logs := openTest(t, fmt.Sprintf("address = %q\npoll_interval = \"1h\"\n%s", srv.URL(), table))
-	rec := sourcetest.Follow(t, src, "secret/app/")
-	rec.WaitFor(t, "the secret", sourcetest.Holds(map[string]string{"db/password": "p"}))
-	waitLog(t, logs, 1, "logged in to vault", "method=approle")
+	srv, src, logs, _ := loggedIn(t, "p", "1h", "1h")
 	if err := srv.Client(t).Auth().Token().RevokeTree(src.client.Token()); err != nil {
 		t.Fatal(err)
 	}

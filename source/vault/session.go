@@ -125,7 +125,7 @@ func (s *session) check(ctx context.Context, gen uint64, err error) error {
 	if cur, _, _ := s.state(); cur != gen {
 		return fmt.Errorf("%w (%w)", errTokenRevoked, err) // replaced meanwhile
 	}
-	if _, lerr := s.client.Auth().Token().LookupSelfWithContext(ctx); statusOf(lerr) != http.StatusForbidden {
+	if !s.revoked(ctx) {
 		return err
 	}
 	select {
@@ -213,12 +213,21 @@ func (s *session) keep(ctx context.Context, auth *api.SecretAuth) string {
 // watcher stops so both near the token's maximum TTL and when Vault
 // refuses a renewal with "permission denied" (the token was revoked: the
 // watcher then treats it as not renewable and gives up at once, see
-// api.LifetimeWatcher); a lookup-self tells the two apart.
+// api.LifetimeWatcher); revoked tells the two apart.
 func (s *session) whyEnded(ctx context.Context) string {
-	if _, err := s.client.Auth().Token().LookupSelfWithContext(ctx); statusOf(err) == http.StatusForbidden {
+	if s.revoked(ctx) {
 		return "the token was revoked (Vault refused its renewal)"
 	}
 	return "it cannot be renewed beyond its maximum TTL"
+}
+
+// revoked reports whether Vault refuses the session's token itself: its
+// lookup-self answers 403 (Vault's token/lookup-self endpoint, which every
+// valid token may call). Any other outcome, a network failure included,
+// counts as not revoked.
+func (s *session) revoked(ctx context.Context) bool {
+	_, err := s.client.Auth().Token().LookupSelfWithContext(ctx)
+	return statusOf(err) == http.StatusForbidden
 }
 
 // login obtains a token: the one token_file holds, looked up for its TTL,
