@@ -285,6 +285,22 @@ func (h *harness) waitLog(parts ...string) {
 	}
 }
 
+// waitStatus waits until the private socket's /status contains want. The
+// status follows the reconciler's passes, so it may lag the log line of
+// the operation it reports by one pass.
+func (h *harness) waitStatus(want string) {
+	h.t.Helper()
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
+		_, body := unixGet(h.t, h.statusSocket(), "/status")
+		if strings.Contains(body, want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			h.t.Fatalf("/status lacks %q:\n%s", want, body)
+		}
+	}
+}
+
 // waitGone waits until path does not exist.
 func (h *harness) waitGone(path string) {
 	h.t.Helper()
