@@ -285,18 +285,18 @@ func (h *harness) waitLog(parts ...string) {
 	}
 }
 
-// waitStatus waits until the private socket's /status contains want. The
-// status follows the reconciler's passes, so it may lag the log line of
-// the operation it reports by one pass.
-func (h *harness) waitStatus(want string) {
+// waitAdmin waits until path on the admin socket answers with a body
+// containing want. /status and /metrics follow the reconciler's passes,
+// so they may lag the log line of the operation they report by one pass.
+func (h *harness) waitAdmin(socket, path, want string) {
 	h.t.Helper()
 	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(10 * time.Millisecond) {
-		_, body := unixGet(h.t, h.statusSocket(), "/status")
+		_, body := unixGet(h.t, socket, path)
 		if strings.Contains(body, want) {
 			return
 		}
 		if time.Now().After(deadline) {
-			h.t.Fatalf("/status lacks %q:\n%s", want, body)
+			h.t.Fatalf("%s lacks %s:\n%s", path, want, body)
 		}
 	}
 }

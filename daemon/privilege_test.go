@@ -149,7 +149,7 @@ func TestCandidateHoldsVerifiedFilesOnly(t *testing.T) {
 	h.waitLog("operation failed", "mount=svc", "CHECK-OUTPUT-LINE")
 	// The next pass reports the failure to systemd, then to /status
 	// (observers in that order): once /status has it, STATUS= has had it.
-	h.waitStatus("CHECK-OUTPUT-LINE")
+	h.waitAdmin(h.statusSocket(), "/status", "CHECK-OUTPUT-LINE")
 	h.statusMu.Lock()
 	defer h.statusMu.Unlock()
 	seen := false

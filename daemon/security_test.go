@@ -124,13 +124,5 @@ func TestAncestorSwapAsUnprivilegedUser(t *testing.T) {
 // containing want.
 func (h *harness) waitMetric(socket, want string) {
 	h.t.Helper()
-	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(20 * time.Millisecond) {
-		_, metrics := unixGet(h.t, socket, "/metrics")
-		if strings.Contains(metrics, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			h.t.Fatalf("/metrics lacks %s:\n%s", want, metrics)
-		}
-	}
+	h.waitAdmin(socket, "/metrics", want)
 }
