@@ -67,12 +67,8 @@ func Start(tb testing.TB, args ...string) *Agent {
 	var a *Agent
 	for attempt := 1; ; attempt++ {
 		a = &Agent{bin: bin, args: args}
-		for i := range a.ports {
-			port, err := freePort()
-			if err != nil {
-				tb.Fatal(err)
-			}
-			a.ports[i] = port
+		if err := freePorts(a.ports[:]); err != nil {
+			tb.Fatal(err)
 		}
 		err := a.Restart()
 		if err == nil {
@@ -212,11 +208,18 @@ func Txn(tb testing.TB, client *api.Client, kv ...string) {
 	flush()
 }
 
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("consultest: %w", err)
+// freePorts fills ports with distinct free loopback TCP ports. Each
+// listener stays open until all are chosen: closed one by one, the kernel
+// may hand the same port out twice (an agent given one port for HTTP and
+// Serf refuses to start).
+func freePorts(ports []int) error {
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fmt.Errorf("consultest: %w", err)
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
 	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
+	return nil
 }

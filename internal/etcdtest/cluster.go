@@ -128,9 +128,10 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	bin := Binary(tb)
 	base := tb.TempDir()
 	type ports struct{ client, peer string }
+	addrs := freeAddrs(tb, 2*n)
 	ps := make([]ports, n)
 	for i := range ps {
-		ps[i] = ports{freeAddr(tb), freeAddr(tb)}
+		ps[i] = ports{addrs[2*i], addrs[2*i+1]}
 	}
 	var initial []string
 	for i, p := range ps {
@@ -172,13 +173,19 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	}
 }
 
-// freeAddr returns a loopback address no one listens on now.
-func freeAddr(tb testing.TB) string {
+// freeAddrs returns n distinct loopback addresses no one listens on now.
+// Each listener stays open until all are chosen: closed one by one, the
+// kernel may hand the same port out twice.
+func freeAddrs(tb testing.TB, n int) []string {
 	tb.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
+	addrs := make([]string, n)
+	for i := range addrs {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			tb.Fatal(err)
+		}
+		defer l.Close()
+		addrs[i] = l.Addr().String()
 	}
-	defer l.Close()
-	return l.Addr().String()
+	return addrs
 }
