@@ -8,8 +8,6 @@ import (
 	"strings"
 
 	"github.com/hashicorp/vault/api"
-
-	"github.com/kvmount/kvmount/source"
 )
 
 // ResponseError is a Vault error response as kvmount reports it: the status
@@ -71,26 +69,4 @@ func statusOf(err error) int {
 		return own.Status
 	}
 	return 0
-}
-
-// bounded is the transport of a source's API client: a response whose body
-// passes limit bytes fails with an error wrapping source.ErrOverLimits, so
-// that no server can make kvmount read, and hold, more than that.
-type bounded struct {
-	next  http.RoundTripper
-	limit int64
-}
-
-// RoundTrip sends req and bounds the response's body.
-func (b bounded) RoundTrip(req *http.Request) (*http.Response, error) {
-	resp, err := b.next.RoundTrip(req)
-	if err != nil || b.limit <= 0 {
-		return resp, err
-	}
-	if resp.ContentLength > b.limit {
-		resp.Body.Close()
-		return nil, fmt.Errorf("a response of %d bytes, more than max_response_size (%d bytes): %w", resp.ContentLength, b.limit, source.ErrOverLimits)
-	}
-	resp.Body = source.LimitBody(resp.Body, b.limit)
-	return resp, nil
 }

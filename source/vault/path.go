@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
@@ -87,120 +88,140 @@ type pathFollow struct {
 	fingerprint string
 	published   bool
 
-	// The lease of a secret of another engine, and its renewal.
-	leaseID  string
-	leaseGen uint64
-	watcher  *api.LifetimeWatcher
-	// rereadIn, when positive, is when a secret read under a lease that
-	// cannot be renewed is read again.
-	rereadIn time.Duration
+	// attempted is the generation of the token the last pass ran under
+	// (0: there was none); a newer one wakes a follow that failed or holds
+	// a lease.
+	attempted uint64
+	// leaseID is the lease of the secret of another engine last read, and
+	// renewal its schedule: renewed while it can be, read again before it
+	// ends.
+	leaseID string
+	renewal *renewal
 }
 
 // followPath follows the path projection p until ctx is done. A KV path
 // is polled every poll_interval; a path of another engine (a dynamic
 // secret) is read again when its lease cannot be renewed any more, is
 // close to its maximum TTL, or ended with the session's token — or every
-// poll_interval when it has no lease.
+// poll_interval when it has no lease. A failed pass is retried with the
+// source's backoff (capped at retryCap, paced by retryDelay), or as soon
+// as the session logs in with a new token.
 func (s *Source) followPath(ctx context.Context, p string, pub source.Publisher) error {
 	f := &pathFollow{s: s, path: p, pub: pub}
 	defer f.stop(ctx)
-	bo := source.NewBackoff()
+	bo := newRetryBackoff(s.retryCap())
 	for {
 		gen, err := s.session.ready(ctx)
 		if err == nil {
-			if err = f.pass(ctx, gen); err != nil {
+			if err = f.pass(ctx); err != nil {
 				err = s.session.check(ctx, gen, err)
 			}
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
+		f.attempted = gen
 		var next <-chan time.Time
 		switch {
 		case gen == 0 && err != nil:
 			// No token: the session retries, and says when it has one.
 			pub.Status(fmt.Errorf("source/vault: %w", err))
 		case err != nil:
-			wait := bo.NextBackOff()
-			s.log.Warn("source unavailable, keeping last content", "path", p, "err", err, "retry_in", wait)
+			wait := s.retryDelay(bo.NextBackOff())
+			s.log.Warn("source unavailable, keeping last content", "path", p, "err", err, "retry_in", wait.Round(time.Millisecond))
 			pub.Status(fmt.Errorf("source/vault: %s: %w", p, err))
 			next = time.After(wait)
 		default:
 			bo.Reset()
 			pub.Status(nil)
-			next = f.next()
+			if f.renewal == nil {
+				next = time.After(source.Jitter(f.s.cfg.PollInterval))
+			}
 		}
-		if !f.wait(ctx, next, gen == 0) {
+		if !f.wait(ctx, next, err != nil) {
 			return ctx.Err()
 		}
 	}
 }
 
-// next returns when the follow reads again after a successful pass: never
-// by the clock while a renewable lease is kept (its watcher says when), at
-// two thirds of a lease that cannot be renewed, else every poll interval.
-func (f *pathFollow) next() <-chan time.Time {
-	switch {
-	case f.watcher != nil:
-		return nil
-	case f.rereadIn > 0:
-		return time.After(f.rereadIn)
-	}
-	return time.After(source.Jitter(f.s.cfg.PollInterval))
-}
-
-// wait waits for next, for the session's next change when noToken, for
-// the lease's watcher to end, or for a new token when a lease is kept; it
-// returns false once ctx is done.
-func (f *pathFollow) wait(ctx context.Context, next <-chan time.Time, noToken bool) bool {
+// wait waits for next; meanwhile it renews the lease the follow holds.
+// It returns true for the next pass: at next, when the lease is to be
+// replaced (unless the last pass failed: its retry waits for next), or —
+// when the last pass failed or a lease is held — when the session has a
+// token newer than the one the last pass ran under. It returns false once
+// ctx is done.
+func (f *pathFollow) wait(ctx context.Context, next <-chan time.Time, failed bool) bool {
 	for {
 		var changed <-chan struct{}
-		if noToken || f.leaseID != "" {
+		if failed || f.leaseID != "" {
 			changed = f.s.session.changes()
-			if cur, _, _ := f.s.session.state(); noToken && cur != 0 || f.leaseID != "" && cur != 0 && cur != f.leaseGen {
+			if cur, _, _ := f.s.session.state(); cur != 0 && cur != f.attempted {
 				return true
 			}
 		}
-		var done <-chan error
-		var renewed <-chan *api.RenewOutput
-		if f.watcher != nil {
-			done, renewed = f.watcher.DoneCh(), f.watcher.RenewCh()
+		var due <-chan time.Time
+		var replace bool
+		stop := func() bool { return false }
+		if f.renewal != nil {
+			var at time.Time
+			at, replace = f.renewal.next()
+			t := time.NewTimer(time.Until(at))
+			due, stop = t.C, t.Stop
 		}
 		select {
 		case <-ctx.Done():
+			stop()
 			return false
 		case <-next:
+			stop()
 			return true
 		case <-changed:
-		case r := <-renewed:
-			if r != nil && r.Secret != nil {
-				f.s.log.Debug("renewed a lease", "path", f.path, "lease", f.leaseID, "ttl_seconds", r.Secret.LeaseDuration)
+			stop()
+		case <-due:
+			if !replace {
+				f.renew(ctx)
+				continue
 			}
-		case err := <-done:
-			why := "it cannot be renewed beyond its maximum TTL"
-			if err != nil {
-				why = fmt.Sprintf("renewing it failed: %v", describe(err))
+			f.s.log.Info("reading a leased secret again", "path", f.path, "lease", f.leaseID, "why", f.renewal.why())
+			f.renewal = nil
+			if !failed {
+				return true
 			}
-			f.s.log.Info("reading a leased secret again", "path", f.path, "lease", f.leaseID, "why", why)
-			f.watcher.Stop()
-			f.watcher = nil
-			return true
 		}
 	}
 }
 
-// stop ends the follow: it stops the lease's renewal, and revokes the
-// lease when no mount follows the projection any more.
-func (f *pathFollow) stop(ctx context.Context) {
-	if f.watcher != nil {
-		f.watcher.Stop()
+// renew renews the follow's lease once, and records the outcome in its
+// renewal.
+func (f *pathFollow) renew(ctx context.Context) {
+	sent := time.Now()
+	secret, err := f.s.client.Sys().RenewWithContext(ctx, f.leaseID, int(f.renewal.increment/time.Second))
+	if ctx.Err() != nil {
+		return
 	}
+	if err == nil && secret == nil {
+		err = errors.New("the renewal's answer holds no lease")
+	}
+	if err != nil {
+		err = describe(err)
+		if wait := f.renewal.failed(time.Now(), err); wait > 0 {
+			f.s.log.Warn("could not renew a lease; retrying", "path", f.path, "lease", f.leaseID, "err", err,
+				"retry_in", wait.Round(time.Millisecond), "expires_in", time.Until(f.renewal.expires()).Round(time.Second))
+		}
+		return
+	}
+	f.renewal.renewed(sent, time.Duration(secret.LeaseDuration)*time.Second, secret.Renewable)
+	f.s.log.Debug("renewed a lease", "path", f.path, "lease", f.leaseID, "ttl_seconds", secret.LeaseDuration)
+}
+
+// stop ends the follow: it revokes the lease when no mount follows the
+// projection any more.
+func (f *pathFollow) stop(ctx context.Context) {
 	f.s.release(ctx, f.leaseID, f.path)
 }
 
-// pass reads the projection once and publishes what changed; gen is the
-// generation of the session's token.
-func (f *pathFollow) pass(ctx context.Context, gen uint64) error {
+// pass reads the projection once and publishes what changed.
+func (f *pathFollow) pass(ctx context.Context) error {
 	eng, err := f.s.engineOf(ctx, f.path)
 	if err != nil {
 		return err
@@ -209,25 +230,23 @@ func (f *pathFollow) pass(ctx context.Context, gen uint64) error {
 	case engineKV2, engineKV1:
 		return f.passKV(ctx, eng)
 	}
-	return f.readOther(ctx, gen)
+	return f.readOther(ctx)
 }
 
 // readOther reads the path of an engine other than KV — a dynamic secret
-// such as database/creds/app — and publishes its fields. A lease that can
-// be renewed is renewed at two thirds of its duration by a watcher, which
-// ends close to the lease's maximum TTL (the next read follows); one that
-// cannot is read again at two thirds of its duration. The previous lease
-// is left to its TTL: a service may still hold what it gave.
-func (f *pathFollow) readOther(ctx context.Context, gen uint64) error {
+// such as database/creds/app — and publishes its fields. Its lease is
+// kept by a renewal: renewed at two thirds of its duration while it can
+// be, and read again at two thirds of what is left once it cannot (not
+// renewable, close to its maximum TTL, or renewals failing as its end
+// nears). The previous lease is left to its TTL: a service may still hold
+// what it gave.
+func (f *pathFollow) readOther(ctx context.Context) error {
+	sent := time.Now()
 	secret, err := f.s.client.Logical().ReadWithContext(ctx, f.path)
 	if err != nil {
 		return fmt.Errorf("reading %s: %w", f.path, describe(err))
 	}
-	if f.watcher != nil {
-		f.watcher.Stop()
-		f.watcher = nil
-	}
-	f.leaseID, f.leaseGen, f.rereadIn = "", 0, 0
+	f.leaseID, f.renewal = "", nil
 	if secret == nil || secret.Data == nil {
 		f.publishOther(nil, nil)
 		return nil
@@ -236,19 +255,9 @@ func (f *pathFollow) readOther(ctx context.Context, gen uint64) error {
 	if secret.LeaseID == "" {
 		return nil
 	}
-	f.leaseID, f.leaseGen = secret.LeaseID, gen
-	duration := time.Duration(secret.LeaseDuration) * time.Second
-	if !secret.Renewable {
-		f.rereadIn = max(duration*2/3, minReissue)
-		return nil
-	}
-	w, err := f.s.client.NewLifetimeWatcher(&api.LifetimeWatcherInput{Secret: secret})
-	if err != nil {
-		f.rereadIn = max(duration*2/3, minReissue)
-		return nil
-	}
-	f.watcher = w
-	go w.Start()
+	f.leaseID = secret.LeaseID
+	duration := max(time.Duration(secret.LeaseDuration)*time.Second, minReissue*3/2)
+	f.renewal = newRenewal(sent, duration, secret.Renewable, f.s.retryCap(), f.s.retryDelay)
 	return nil
 }
 

@@ -136,87 +136,109 @@ const minReissue = time.Second
 // each one's validity (up to a twentieth of it earlier, at random, so that
 // many hosts do not ask in step), until ctx is done. Every issue is one
 // snapshot: certificate, private_key, issuing_ca and ca_chain switch
-// together. A certificate issued with a lease (the role's generate_lease)
-// is issued again when the session's token changes, as the lease ends with
-// the token, and its lease is revoked when no mount follows it any more.
+// together. A failed issue is retried with the source's backoff, each
+// wait at most a quarter of the time the last certificate has left (so
+// that it is replaced before it expires), or as soon as the session logs
+// in with a new token. A certificate issued with a lease (the role's
+// generate_lease) is issued again when the session's token changes, as
+// the lease ends with the token, and its lease is revoked when no mount
+// follows it any more.
 func (s *Source) followPKI(ctx context.Context, req pkiRequest, pub source.Publisher) error {
-	bo := source.NewBackoff()
+	bo := newRetryBackoff(s.retryCap())
 	var leaseID string
-	var leaseGen uint64
+	var notAfter time.Time
 	defer func() { s.release(ctx, leaseID, req.role) }()
 	for {
 		gen, err := s.session.ready(ctx)
 		var next time.Duration
 		if err == nil {
-			var lease string
-			lease, next, err = s.issue(ctx, req, pub)
+			var iss issued
+			iss, err = s.issue(ctx, req, pub)
 			if err != nil {
 				err = s.session.check(ctx, gen, err)
 			} else {
-				leaseID, leaseGen = lease, gen
+				leaseID, notAfter, next = iss.leaseID, iss.notAfter, iss.next
 			}
 		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		var retry <-chan time.Time
 		if err != nil {
 			pub.Status(fmt.Errorf("source %q: issue at %s: %w", s.name, req.role, err))
-			wait := bo.NextBackOff()
-			s.log.Warn("cannot issue a certificate, keeping the last one", "role", req.role, "common_name", req.commonName, "err", err, "retry_in", wait)
-			retry = time.After(wait)
+			next = retryBefore(bo.NextBackOff(), notAfter, time.Now())
+			next = s.retryDelay(next)
+			s.log.Warn("cannot issue a certificate, keeping the last one", "role", req.role, "common_name", req.commonName, "err", err,
+				"retry_in", next.Round(time.Millisecond))
 		} else {
 			bo.Reset()
-			retry = time.After(next)
 		}
-		if !s.waitFor(ctx, retry, leaseID != "", leaseGen) {
+		if !s.waitFor(ctx, time.After(next), err != nil || leaseID != "", gen) {
 			return ctx.Err()
 		}
 	}
 }
 
-// waitFor waits for retry, or — when the follow holds a lease read under
-// the token of generation gen — for a new token; it returns false once ctx
-// is done.
-func (s *Source) waitFor(ctx context.Context, retry <-chan time.Time, leased bool, gen uint64) bool {
+// retryBefore returns wait, shortened to a quarter of the time a
+// certificate valid until notAfter has left at now (at least minReissue),
+// so that retries come often enough to replace it before it expires. A
+// zero notAfter (no certificate yet) leaves wait as it is.
+func retryBefore(wait time.Duration, notAfter, now time.Time) time.Duration {
+	if notAfter.IsZero() {
+		return wait
+	}
+	return min(wait, max(notAfter.Sub(now)/4, minReissue))
+}
+
+// waitFor waits for next or — when onLogin — for a token newer than the
+// one of generation gen (the last attempt's: a failed issue may have
+// failed for its token, and a lease ends with the token it was taken
+// under); it returns false once ctx is done.
+func (s *Source) waitFor(ctx context.Context, next <-chan time.Time, onLogin bool, gen uint64) bool {
 	for {
 		var changed <-chan struct{}
-		if leased {
+		if onLogin {
 			changed = s.session.changes()
 			if cur, _, _ := s.session.state(); cur != 0 && cur != gen {
-				return true // the lease ended with its token: read again
+				return true
 			}
 		}
 		select {
 		case <-ctx.Done():
 			return false
-		case <-retry:
+		case <-next:
 			return true
 		case <-changed:
 		}
 	}
 }
 
-// issue asks Vault for a certificate and publishes it; it returns its
-// lease ("" for none) and how long until it is issued again.
-func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher) (string, time.Duration, error) {
+// issued is what one issue gave: the certificate's lease ("" for none),
+// its end, and how long until it is issued again.
+type issued struct {
+	leaseID  string
+	notAfter time.Time
+	next     time.Duration
+}
+
+// issue asks Vault for a certificate and publishes it.
+func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher) (issued, error) {
 	data := map[string]any{}
 	for k, v := range req.values() {
 		data[k] = v[0]
 	}
 	secret, err := s.client.Logical().WriteWithContext(ctx, req.role, data)
 	if err != nil {
-		return "", 0, describe(err)
+		return issued{}, describe(err)
 	}
 	if secret == nil || secret.Data == nil {
-		return "", 0, errors.New("the response holds no certificate")
+		return issued{}, errors.New("the response holds no certificate")
 	}
 	received := time.Now()
 	entries := map[string][]byte{}
 	for _, name := range []string{FileCertificate, FilePrivateKey, FileIssuingCA} {
 		v, ok := secret.Data[name].(string)
 		if !ok || v == "" {
-			return "", 0, fmt.Errorf("the response holds no %s", name)
+			return issued{}, fmt.Errorf("the response holds no %s", name)
 		}
 		entries[name] = []byte(v)
 	}
@@ -231,11 +253,11 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	entries[FileCAChain] = []byte(strings.Join(chain, "\n"))
 	cert, err := parseCertificate(entries[FileCertificate])
 	if err != nil {
-		return "", 0, err
+		return issued{}, err
 	}
 	validity := cert.NotAfter.Sub(received)
 	if validity <= 0 {
-		return "", 0, fmt.Errorf("the certificate issued (serial %s) expired at %s", serialOf(secret), cert.NotAfter.UTC().Format(time.RFC3339))
+		return issued{}, fmt.Errorf("the certificate issued (serial %s) expired at %s", serialOf(secret), cert.NotAfter.UTC().Format(time.RFC3339))
 	}
 	snap := source.Snapshot{
 		Revision: "serial:" + serialOf(secret),
@@ -247,7 +269,7 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	if lim := pub.Limits(); lim.MaxValueSize > 0 {
 		for name, v := range entries {
 			if !lim.Keeps(len(v)) {
-				return "", 0, fmt.Errorf("the certificate's %s is %d bytes, more than max_value_size (%d bytes)", name, len(v), lim.MaxValueSize)
+				return issued{}, fmt.Errorf("the certificate's %s is %d bytes, more than max_value_size (%d bytes)", name, len(v), lim.MaxValueSize)
 			}
 		}
 	}
@@ -257,7 +279,7 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	s.log.Info("issued a certificate", "role", req.role, "common_name", req.commonName, "serial", serialOf(secret),
 		"not_after", cert.NotAfter.UTC().Format(time.RFC3339), "reissue_in", next.Round(time.Second))
 	pub.Publish(snap)
-	return secret.LeaseID, next, nil
+	return issued{leaseID: secret.LeaseID, notAfter: cert.NotAfter, next: next}, nil
 }
 
 // reissueIn returns how long after its receipt a certificate valid for

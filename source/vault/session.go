@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net/http"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/vault/api"
 
@@ -17,10 +18,10 @@ import (
 
 // session is a source's authentication: the token its requests carry, which
 // one loop — running while any Follow does — obtains (token_file, an
-// AppRole login), renews at two thirds of its TTL while it can (the API
-// client's LifetimeWatcher), and replaces when it cannot be renewed any
-// more, when it is close to its maximum TTL, or when a request finds it
-// revoked (check). Failures back off as every source's do.
+// AppRole login), renews at two thirds of its TTL while it can (a
+// renewal), and replaces when it cannot be renewed any more, when it is
+// close to its maximum TTL, or when a request finds it revoked (check).
+// Failures back off as every source's do, paced by the source's retries.
 type session struct {
 	cfg *Config
 	// files is where the token and AppRole files are read at each login:
@@ -29,6 +30,10 @@ type session struct {
 	client *api.Client
 	log    *slog.Logger
 	fanout *source.Fanout
+	// retryCap and retryDelay are the source's (Source.retryCap,
+	// Source.retryDelay).
+	retryCap   time.Duration
+	retryDelay func(time.Duration) time.Duration
 
 	// kick asks the loop to replace the token now; it holds one request.
 	kick chan struct{}
@@ -46,8 +51,9 @@ type session struct {
 	changed chan struct{}
 }
 
-func newSession(cfg *Config, client *api.Client, log *slog.Logger) *session {
-	s := &session{cfg: cfg, files: config.Disk{}, client: client, log: log, kick: make(chan struct{}, 1), changed: make(chan struct{})}
+func newSession(cfg *Config, client *api.Client, log *slog.Logger, retryCap time.Duration, retryDelay func(time.Duration) time.Duration) *session {
+	s := &session{cfg: cfg, files: config.Disk{}, client: client, log: log, retryCap: retryCap, retryDelay: retryDelay,
+		kick: make(chan struct{}, 1), changed: make(chan struct{})}
 	s.fanout = source.NewFanout(s.loop)
 	return s
 }
@@ -137,15 +143,16 @@ func (s *session) check(ctx context.Context, gen uint64, err error) error {
 
 // loop keeps a token until ctx is done.
 func (s *session) loop(ctx context.Context) {
-	bo := source.NewBackoff()
+	bo := newRetryBackoff(s.retryCap)
 	for {
+		sent := time.Now()
 		auth, err := s.login(ctx)
 		if ctx.Err() != nil {
 			return
 		}
 		if err != nil {
 			s.set("", err)
-			wait := bo.NextBackOff()
+			wait := s.retryDelay(bo.NextBackOff())
 			s.log.Warn("vault login failed", "method", s.method(), "err", err, "retry_in", wait)
 			if !source.Sleep(ctx, wait) {
 				return
@@ -155,7 +162,7 @@ func (s *session) loop(ctx context.Context) {
 		bo.Reset()
 		s.set(auth.ClientToken, nil)
 		s.log.Info("logged in to vault", "method", s.method(), "ttl_seconds", auth.LeaseDuration, "renewable", auth.Renewable)
-		why := s.keep(ctx, auth)
+		why := s.keep(ctx, auth, sent)
 		if ctx.Err() != nil {
 			return
 		}
@@ -171,11 +178,14 @@ func (s *session) method() string {
 	return "token_file"
 }
 
-// keep renews auth's token until it cannot be renewed any more or is close
-// to its maximum TTL, a request found it revoked, or ctx is done; it
-// returns why it stopped. A token without a TTL (a root token) is kept
-// until a request finds it revoked.
-func (s *session) keep(ctx context.Context, auth *api.SecretAuth) string {
+// keep renews auth's token, granted at start, on the schedule of a
+// renewal (at two thirds of its TTL; failures retried with backoff
+// capped by the time it has left) until it is to be replaced — it is not
+// renewable, close to its maximum TTL, refused, or about to expire while
+// renewals fail — a request found it revoked, or ctx is done; it returns
+// why it stopped. A token without a TTL (a root token) is kept until a
+// request finds it revoked.
+func (s *session) keep(ctx context.Context, auth *api.SecretAuth, start time.Time) string {
 	if auth.LeaseDuration <= 0 {
 		select {
 		case <-ctx.Done():
@@ -184,41 +194,53 @@ func (s *session) keep(ctx context.Context, auth *api.SecretAuth) string {
 			return "a request found the token revoked"
 		}
 	}
-	w, err := s.client.NewLifetimeWatcher(&api.LifetimeWatcherInput{Secret: &api.Secret{Auth: auth}})
-	if err != nil {
-		return err.Error()
-	}
-	go w.Start()
-	defer w.Stop()
+	r := newRenewal(start, time.Duration(auth.LeaseDuration)*time.Second, auth.Renewable, s.retryCap, s.retryDelay)
 	for {
+		at, replace := r.next()
+		timer := time.NewTimer(time.Until(at))
 		select {
 		case <-ctx.Done():
+			timer.Stop()
 			return "stopping"
 		case <-s.kick:
+			timer.Stop()
 			return "a request found the token revoked"
-		case err := <-w.DoneCh():
-			if err != nil {
-				return fmt.Sprintf("renewing it failed: %v", describe(err))
-			}
-			return s.whyEnded(ctx)
-		case r := <-w.RenewCh():
-			if r != nil && r.Secret != nil && r.Secret.Auth != nil {
-				s.log.Debug("renewed the vault token", "ttl_seconds", r.Secret.Auth.LeaseDuration)
-			}
+		case <-timer.C:
 		}
+		if replace {
+			if r.refused {
+				return s.whyRefused(ctx)
+			}
+			return r.why()
+		}
+		sent := time.Now()
+		secret, err := s.client.Auth().Token().RenewSelfWithContext(ctx, int(r.increment/time.Second))
+		if ctx.Err() != nil {
+			return "stopping"
+		}
+		if err == nil && (secret == nil || secret.Auth == nil) {
+			err = errors.New("the renewal's answer holds no token")
+		}
+		if err != nil {
+			if wait := r.failed(time.Now(), describe(err)); wait > 0 {
+				s.log.Warn("could not renew the vault token; retrying", "err", describe(err), "retry_in", wait.Round(time.Millisecond),
+					"expires_in", time.Until(r.expires()).Round(time.Second))
+			}
+			continue
+		}
+		r.renewed(sent, time.Duration(secret.Auth.LeaseDuration)*time.Second, secret.Auth.Renewable)
+		s.log.Debug("renewed the vault token", "ttl_seconds", secret.Auth.LeaseDuration)
 	}
 }
 
-// whyEnded says why a lifetime watcher stopped without an error. The
-// watcher stops so both near the token's maximum TTL and when Vault
-// refuses a renewal with "permission denied" (the token was revoked: the
-// watcher then treats it as not renewable and gives up at once, see
-// api.LifetimeWatcher); revoked tells the two apart.
-func (s *session) whyEnded(ctx context.Context) string {
+// whyRefused says why Vault refused to renew the token (403): the token
+// was revoked, which a lookup of it tells (it is refused too), or it may
+// not renew itself (a policy without auth/token/renew-self).
+func (s *session) whyRefused(ctx context.Context) string {
 	if s.revoked(ctx) {
 		return "the token was revoked (Vault refused its renewal)"
 	}
-	return "it cannot be renewed beyond its maximum TTL"
+	return "Vault refused its renewal (403) though the token is valid: its policies may not allow auth/token/renew-self"
 }
 
 // revoked reports whether Vault refuses the session's token itself: its

@@ -32,7 +32,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cenkalti/backoff/v4"
 	"github.com/hashicorp/vault/api"
+	"golang.org/x/time/rate"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/source"
@@ -298,6 +300,45 @@ type Source struct {
 	client    *api.Client
 	transport *http.Transport
 	session   *session
+	// retries paces every retry after a failure, of every follow, the
+	// login and the renewals alike (retryDelay).
+	retries *rate.Limiter
+}
+
+// Bounds of a source's retries: whatever Vault answers, and however many
+// projections fail at once, a source retries at most retryRate times a
+// second (after a burst of retryBurst), each follow with its own jittered
+// backoff from source.RetryMin up to retryCap.
+const (
+	retryRate  = rate.Limit(2)
+	retryBurst = 4
+	// maxHeaderWait bounds the wait for a response's headers (at most the
+	// source's timeout): Vault computes an answer before it sends it, so
+	// a node that holds a request this long is taken for frozen.
+	maxHeaderWait = 10 * time.Second
+)
+
+// retryCap returns the longest wait between two attempts of a failing
+// follow or login: the poll interval, within [source.RetryMin,
+// source.RetryMax] — so that once Vault answers again, every projection
+// is read within about two poll intervals.
+func (s *Source) retryCap() time.Duration {
+	return min(max(s.cfg.PollInterval, source.RetryMin), source.RetryMax)
+}
+
+// retryDelay returns how long to wait before a retry its caller's backoff
+// puts at d: d, or longer when the source's retries are over retryRate.
+func (s *Source) retryDelay(d time.Duration) time.Duration {
+	return max(d, s.retries.Reserve().Delay())
+}
+
+// newRetryBackoff returns source.NewBackoff with its delays capped at
+// limit.
+func newRetryBackoff(limit time.Duration) *backoff.ExponentialBackOff {
+	b := source.NewBackoff()
+	b.MaxInterval = limit
+	b.Reset()
+	return b
 }
 
 var _ source.Source = (*Source)(nil)
@@ -308,19 +349,22 @@ var _ source.Source = (*Source)(nil)
 // from the environment are overridden, so that the daemon's reads do not
 // change with the environment it was started in.
 func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
-	transport := http.DefaultTransport.(*http.Transport).Clone()
+	rt := http.DefaultTransport.(*http.Transport).Clone()
+	// A node that accepts connections but does not answer (frozen) holds
+	// a request until its headers are late, not for the whole timeout.
+	rt.ResponseHeaderTimeout = min(cfg.Timeout, maxHeaderWait)
 	if cfg.TLS.Enabled() {
 		tc, err := cfg.TLS.Config()
 		if err != nil {
 			return nil, fmt.Errorf("source/vault: %w", err)
 		}
-		transport.TLSClientConfig = tc
+		rt.TLSClientConfig = tc
 	}
 	httpClient := &http.Client{
-		Transport: bounded{next: transport, limit: cfg.MaxResponseSize},
-		Timeout:   cfg.Timeout,
-		// The API client follows a redirect itself (a standby node's 307
-		// to the active one), once, and never from https to http.
+		// transport refuses redirects (a standby node's 307 to the
+		// active one) and drops the connection of a failed answer.
+		Transport:     transport{next: rt, limit: cfg.MaxResponseSize},
+		Timeout:       cfg.Timeout,
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}
 	client, err := api.NewClient(&api.Config{
@@ -328,7 +372,8 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		HttpClient: httpClient,
 		Timeout:    cfg.Timeout,
 		// kvmount retries with its own backoff, reporting each failure.
-		MaxRetries: 0,
+		MaxRetries:       0,
+		DisableRedirects: true,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("source/vault: %w", err)
@@ -343,8 +388,9 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	} else {
 		client.ClearNamespace()
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport}
-	s.session = newSession(cfg, client, log)
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: rt,
+		retries: rate.NewLimiter(retryRate, retryBurst)}
+	s.session = newSession(cfg, client, log, s.retryCap(), s.retryDelay)
 	return s, nil
 }
 
