@@ -195,7 +195,9 @@ func (f *pathFollow) wait(ctx context.Context, next <-chan time.Time, failed boo
 // renewal.
 func (f *pathFollow) renew(ctx context.Context) {
 	sent := time.Now()
-	secret, err := f.s.client.Sys().RenewWithContext(ctx, f.leaseID, int(f.renewal.increment/time.Second))
+	rctx, cancel := context.WithTimeout(ctx, f.renewal.attemptLimit(sent))
+	secret, err := f.s.client.Sys().RenewWithContext(rctx, f.leaseID, int(f.renewal.increment/time.Second))
+	cancel()
 	if ctx.Err() != nil {
 		return
 	}

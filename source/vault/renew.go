@@ -95,6 +95,13 @@ func (r *renewal) next() (at time.Time, replace bool) {
 	return r.start.Add(r.ttl * 2 / 3), false
 }
 
+// attemptLimit returns how long a renewal sent at now may take: half the
+// time the lease has left (at least giveUpFloor), so that a request held
+// by a node that does not answer leaves time to retry through another.
+func (r *renewal) attemptLimit(now time.Time) time.Duration {
+	return max(r.expires().Sub(now)/2, giveUpFloor)
+}
+
 // why returns why the lease is replaced.
 func (r *renewal) why() string {
 	switch {

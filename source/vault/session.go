@@ -214,7 +214,9 @@ func (s *session) keep(ctx context.Context, auth *api.SecretAuth, start time.Tim
 			return r.why()
 		}
 		sent := time.Now()
-		secret, err := s.client.Auth().Token().RenewSelfWithContext(ctx, int(r.increment/time.Second))
+		rctx, cancel := context.WithTimeout(ctx, r.attemptLimit(sent))
+		secret, err := s.client.Auth().Token().RenewSelfWithContext(rctx, int(r.increment/time.Second))
+		cancel()
 		if ctx.Err() != nil {
 			return "stopping"
 		}

@@ -2,13 +2,16 @@ package vault
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"strings"
 	"sync"
+	"time"
 
 	"github.com/kvmount/kvmount/origin"
 	"github.com/kvmount/kvmount/source"
@@ -29,14 +32,25 @@ import (
 //     a name the worker may not reach. It fails with an error wrapping
 //     ErrRedirect, on a closed connection, and is retried through the
 //     configured address;
+//   - a request whose answer has not begun within headerWait fails, and
+//     its connection is closed: Vault computes an answer before it sends
+//     it, so a node that holds a request this long is taken for frozen
+//     (SIGSTOP, a stalled disk, a standby forwarding to a frozen active
+//     node), and the retry dials again. A certificate's issue or signing
+//     (a path MOUNT/issue/ROLE or MOUNT/sign/ROLE), whose key generation
+//     may take seconds, waits for the whole timeout instead;
 //   - a response whose body passes limit bytes fails with an error
 //     wrapping source.ErrOverLimits.
 //
 // A transport error closes its connection already (net/http).
 type transport struct {
-	next  http.RoundTripper
-	limit int64
+	next       http.RoundTripper
+	limit      int64
+	headerWait time.Duration
 }
+
+// errNoAnswer is the cause of a request cancelled for want of an answer.
+var errNoAnswer = errors.New("no answer")
 
 // ErrRedirect wraps the error of a request answered with a redirect.
 var ErrRedirect = errors.New("redirects are not followed")
@@ -57,11 +71,21 @@ func (t transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		conn = info.Conn
 		mu.Unlock()
 	}}
-	req = req.WithContext(httptrace.WithClientTrace(req.Context(), trace))
-	resp, err := t.next.RoundTrip(req)
+	ctx, cancel := context.WithCancelCause(httptrace.WithClientTrace(req.Context(), trace))
+	if t.headerWait > 0 && !slowPath(req.URL.Path) {
+		timer := time.AfterFunc(t.headerWait, func() { cancel(errNoAnswer) })
+		defer timer.Stop()
+	}
+	resp, err := t.next.RoundTrip(req.WithContext(ctx))
 	if err != nil {
+		if errors.Is(context.Cause(ctx), errNoAnswer) {
+			err = fmt.Errorf("no answer within %v: the node is taken for frozen and the request retried", t.headerWait)
+		}
+		cancel(nil)
 		return nil, err
 	}
+	// The request's context lives until its body is closed.
+	resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: func() { cancel(nil) }}
 	mu.Lock()
 	used := conn
 	mu.Unlock()
@@ -86,6 +110,27 @@ func (t transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 	resp.Body = source.LimitBody(resp.Body, t.limit)
 	return resp, nil
+}
+
+// slowPath reports whether p (/v1/MOUNT/issue/ROLE, /v1/MOUNT/sign/ROLE)
+// asks for a certificate, whose answer may take the whole timeout.
+func slowPath(p string) bool {
+	elems := strings.Split(strings.Trim(p, "/"), "/")
+	return len(elems) >= 3 && (elems[len(elems)-2] == "issue" || elems[len(elems)-2] == "sign")
+}
+
+// cancelOnClose is a response body that ends its request's context when
+// closed.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel func()
+}
+
+// Close closes the body and ends the request's context.
+func (c *cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
 }
 
 // drop closes conn, the connection resp came on, before the transport can

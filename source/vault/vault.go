@@ -312,10 +312,11 @@ type Source struct {
 const (
 	retryRate  = rate.Limit(2)
 	retryBurst = 4
-	// maxHeaderWait bounds the wait for a response's headers (at most the
-	// source's timeout): Vault computes an answer before it sends it, so
-	// a node that holds a request this long is taken for frozen.
-	maxHeaderWait = 10 * time.Second
+	// maxHeaderWait bounds the wait for an answer to begin, within the
+	// source's timeout (transport): Vault computes an answer before it
+	// sends it, so a node that holds a request this long is taken for
+	// frozen.
+	maxHeaderWait = 5 * time.Second
 )
 
 // retryCap returns the longest wait between two attempts of a failing
@@ -350,9 +351,6 @@ var _ source.Source = (*Source)(nil)
 // change with the environment it was started in.
 func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	rt := http.DefaultTransport.(*http.Transport).Clone()
-	// A node that accepts connections but does not answer (frozen) holds
-	// a request until its headers are late, not for the whole timeout.
-	rt.ResponseHeaderTimeout = min(cfg.Timeout, maxHeaderWait)
 	if cfg.TLS.Enabled() {
 		tc, err := cfg.TLS.Config()
 		if err != nil {
@@ -363,7 +361,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	httpClient := &http.Client{
 		// transport refuses redirects (a standby node's 307 to the
 		// active one) and drops the connection of a failed answer.
-		Transport:     transport{next: rt, limit: cfg.MaxResponseSize},
+		Transport:     transport{next: rt, limit: cfg.MaxResponseSize, headerWait: min(cfg.Timeout, maxHeaderWait)},
 		Timeout:       cfg.Timeout,
 		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse },
 	}
