@@ -115,7 +115,7 @@ func (t transport) RoundTrip(req *http.Request) (*http.Response, error) {
 // slowPath reports whether p (/v1/MOUNT/issue/ROLE, /v1/MOUNT/sign/ROLE)
 // asks for a certificate, whose answer may take the whole timeout.
 func slowPath(p string) bool {
-	elems := strings.Split(strings.Trim(p, "/"), "/")
+	elems := strings.Split(strings.Trim(strings.TrimPrefix(p, "/v1/"), "/"), "/")
 	return len(elems) >= 3 && (elems[len(elems)-2] == "issue" || elems[len(elems)-2] == "sign")
 }
 
