@@ -8,7 +8,11 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"maps"
 	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,7 +28,7 @@ const waitTimeout = 60 * time.Second
 // kvmountd is the kvmount binary run as a daemon (kvmount run), with its
 // worker, a state directory of its own and its private admin socket.
 type kvmountd struct {
-	t      *testing.T
+	t      testing.TB
 	base   string
 	config string
 	cmd    *exec.Cmd
@@ -36,7 +40,7 @@ type kvmountd struct {
 // (TOML), below a state directory and an admin socket of its own; mount
 // directories are below dir(name), on tmpfs, unmounted when the test
 // ends.
-func newKvmountd(t *testing.T, body string) *kvmountd {
+func newKvmountd(t testing.TB, body string) *kvmountd {
 	t.Helper()
 	base := roottest.TempDir(t)
 	d := &kvmountd{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &testlog.Buffer{}}
@@ -46,7 +50,7 @@ func newKvmountd(t *testing.T, body string) *kvmountd {
 	}
 	t.Cleanup(func() {
 		d.kill()
-		if t.Failed() {
+		if t.Failed() || os.Getenv("KVMOUNT_TOPOLOGY_LOGS") != "" {
 			t.Logf("kvmount logs:\n%s", d.logs)
 		}
 	})
@@ -138,4 +142,75 @@ func (d *kvmountd) waitState(name, want string, limit time.Duration) time.Durati
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// states records, until ctx is done, every change of the mounts' states
+// in /status, polled every 100 ms.
+type states struct {
+	mu      sync.Mutex
+	changes map[string][]stateChange
+}
+
+// stateChange is a mount's state from a time on.
+type stateChange struct {
+	at    time.Time
+	state string
+}
+
+func (s *states) watch(ctx context.Context, d *kvmountd, mounts ...string) {
+	s.mu.Lock()
+	s.changes = map[string][]stateChange{}
+	s.mu.Unlock()
+	for ctx.Err() == nil {
+		st := d.status()
+		now := time.Now()
+		s.mu.Lock()
+		for _, m := range mounts {
+			state := ""
+			if st != nil && st.Mounts[m] != nil {
+				state = st.Mounts[m].State
+			}
+			if c := s.changes[m]; len(c) == 0 || c[len(c)-1].state != state {
+				s.changes[m] = append(c, stateChange{now, state})
+			}
+		}
+		s.mu.Unlock()
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// String returns each mount's changes, for the log.
+func (s *states) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var b strings.Builder
+	for _, m := range slices.Sorted(maps.Keys(s.changes)) {
+		fmt.Fprintf(&b, "%s:", m)
+		for _, c := range s.changes[m] {
+			fmt.Fprintf(&b, " %s %s", c.at.Format("15:04:05.0"), c.state)
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}
+
+// first returns when mount was first seen in state at or after from, and
+// false when it was not.
+func (s *states) first(mount, state string, from time.Time) (time.Time, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.changes[mount]
+	for i, ch := range c {
+		end := time.Now()
+		if i+1 < len(c) {
+			end = c[i+1].at
+		}
+		if ch.state == state && end.After(from) {
+			if ch.at.Before(from) {
+				return from, true
+			}
+			return ch.at, true
+		}
+	}
+	return time.Time{}, false
 }

@@ -46,7 +46,7 @@ type redis struct {
 
 const redisAdmin = "kvmount-test-admin"
 
-func startRedis(t *testing.T) *redis {
+func startRedis(t testing.TB) *redis {
 	t.Helper()
 	roottest.Tools(t, map[string]string{"redis-server": "redis-server", "redis-cli": "redis-tools"})
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -94,7 +94,7 @@ func (r *redis) login(user, password string) bool {
 // for kvmount, a PKI role, and Redis credentials from the database
 // secrets engine.
 type vaultTopology struct {
-	t       *testing.T
+	t       testing.TB
 	cluster *vaulttest.Cluster
 	lb      *loadbalancer.Balancer
 	redis   *redis
@@ -102,7 +102,7 @@ type vaultTopology struct {
 	secret  string
 }
 
-func newVaultTopology(t *testing.T) *vaultTopology {
+func newVaultTopology(t testing.TB) *vaultTopology {
 	t.Helper()
 	c := vaulttest.StartCluster(t, 3)
 	var backends []string
@@ -146,8 +146,8 @@ path "sys/leases/renew" { capabilities = ["update"] }`})
 }
 
 // source returns a [sources.NAME] table of a vault source at address
-// that logs in with kvmount's AppRole.
-func (v *vaultTopology) source(name, address, dir string) string {
+// that logs in with kvmount's AppRole and polls every poll.
+func (v *vaultTopology) source(name, address, dir string, poll time.Duration) string {
 	roleFile := filepath.Join(dir, name+"-role-id")
 	secretFile := filepath.Join(dir, name+"-secret-id")
 	for f, content := range map[string]string{roleFile: v.roleID, secretFile: v.secret} {
@@ -156,7 +156,7 @@ func (v *vaultTopology) source(name, address, dir string) string {
 		}
 	}
 	return fmt.Sprintf("[sources.%s]\ntype = \"vault\"\naddress = \"http://%s\"\npoll_interval = %q\n[sources.%s.approle]\nrole_id_file = %q\nsecret_id_file = %q\n",
-		name, address, vaultPoll, name, roleFile, secretFile)
+		name, address, poll, name, roleFile, secretFile)
 }
 
 // writer writes secret/app/cfg with n and check equal, n counting up
@@ -356,7 +356,7 @@ func TestVaultHACluster(t *testing.T) {
 	v := newVaultTopology(t)
 	pinned := v.cluster.Nodes[0]
 	d := newKvmountd(t, "")
-	conf := v.source("lb", v.lb.Addr(), d.base) + v.source("pinned", pinned.Addr(), d.base) +
+	conf := v.source("lb", v.lb.Addr(), d.base, vaultPoll) + v.source("pinned", pinned.Addr(), d.base, vaultPoll) +
 		d.tmpfsMount("app", "source = \"lb\"\nprefix = \"secret/app/\"") +
 		d.tmpfsMount("pinned", "source = \"pinned\"\nprefix = \"secret/app/\"") +
 		d.tmpfsMount("tls", fmt.Sprintf("source = \"lb\"\n[mount.pki]\nrole = \"pki/issue/web\"\ncommon_name = \"web.example.com\"\nttl = %q", certTTL)) +
@@ -392,7 +392,8 @@ func TestVaultHACluster(t *testing.T) {
 		func() { cert.watch(ctx, t, d.dir("tls")) },
 		func() { cred.watch(ctx, v.redis, d.dir("redis")) },
 	)
-	goAll(func() { v.downtime(ctx, h, pinned, "pinned") })
+	var st states
+	goAll(func() { v.downtime(ctx, h, pinned, "pinned") }, func() { st.watch(ctx, d, "app", "pinned") })
 	acceptedBefore := v.lb.Accepted()
 	started := time.Now()
 
@@ -426,11 +427,17 @@ func TestVaultHACluster(t *testing.T) {
 		fault()
 		to := v.serving(h, from)
 		h.outage(what, from, to)
-		t.Logf("%s: Vault answered again after %v", what, to.Sub(from).Round(time.Millisecond))
 		if heal != nil {
 			heal()
 		}
 		settle(what)
+		caughtUp := time.Now()
+		stale := "not reported stale"
+		if at, ok := st.first("app", "stale", from); ok && at.Before(caughtUp) {
+			stale = fmt.Sprintf("stale after %v", at.Sub(from).Round(time.Millisecond))
+		}
+		t.Logf("%s: Vault answered again after %v; app %s, caught up %v after Vault answered", what,
+			to.Sub(from).Round(time.Millisecond), stale, caughtUp.Sub(to).Round(time.Millisecond))
 	}
 
 	settle("start")
@@ -522,6 +529,7 @@ func TestVaultHACluster(t *testing.T) {
 	elapsed := time.Since(started)
 	cancel()
 	wg.Wait()
+	t.Logf("states:\n%s", &st)
 
 	late, longest := h.lags("app", vaultBar)
 	t.Logf("app: %d writes, longest lag %v", len(h.acked), longest.Round(time.Millisecond))

@@ -4,10 +4,13 @@
 // side closes it. With a health check it sends new connections only to
 // backends that pass it (checked twice a second, as a load balancer's
 // health check of /v1/sys/health would); without one it is plain round
-// robin, which also sends them to a node that is sealed or frozen.
+// robin, which also sends them to a node that is sealed or frozen. It
+// counts the HTTP/1.1 requests it forwards (their request lines), for
+// tests that measure what clients ask of the backends.
 package loadbalancer
 
 import (
+	"bytes"
 	"io"
 	"net"
 	"sync"
@@ -27,8 +30,10 @@ type Balancer struct {
 	next    int
 	// open are the connections to each backend, by client connection.
 	open map[net.Conn]int
-	// accepted counts the connections accepted.
+	// accepted counts the connections accepted; requests are the times
+	// of the HTTP/1.1 request lines forwarded.
 	accepted int
+	requests []time.Time
 	wg       sync.WaitGroup
 	stop     chan struct{}
 }
@@ -80,6 +85,46 @@ func (b *Balancer) Accepted() int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.accepted
+}
+
+// Requests returns the times of the HTTP/1.1 requests forwarded so far.
+func (b *Balancer) Requests() []time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]time.Time(nil), b.requests...)
+}
+
+// requestLine ends every HTTP/1.1 request line; a JSON body cannot hold
+// its CR LF unescaped.
+var requestLine = []byte(" HTTP/1.1\r\n")
+
+// counter is the client-to-backend half of a connection: it counts the
+// request lines that pass, also across two reads.
+type counter struct {
+	b    *Balancer
+	r    io.Reader
+	tail []byte
+}
+
+func (c *counter) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	if n > 0 {
+		buf := append(c.tail, p[:n]...)
+		if k := bytes.Count(buf, requestLine); k > 0 {
+			now := time.Now()
+			c.b.mu.Lock()
+			for range k {
+				c.b.requests = append(c.b.requests, now)
+			}
+			c.b.mu.Unlock()
+		}
+		keep := min(len(buf), len(requestLine)-1)
+		if i := bytes.LastIndex(buf, requestLine); i >= 0 && len(buf)-(i+len(requestLine)) < keep {
+			keep = len(buf) - (i + len(requestLine))
+		}
+		c.tail = append(c.tail[:0], buf[len(buf)-keep:]...)
+	}
+	return n, err
 }
 
 // Close stops the balancer and closes every connection.
@@ -185,7 +230,7 @@ func (b *Balancer) serve() {
 		}
 		go func() {
 			defer b.wg.Done()
-			_, _ = io.Copy(backend, c)
+			_, _ = io.Copy(backend, &counter{b: b, r: c})
 			done()
 		}()
 		go func() {

@@ -195,9 +195,10 @@ func (f *pathFollow) wait(ctx context.Context, next <-chan time.Time, failed boo
 // renewal.
 func (f *pathFollow) renew(ctx context.Context) {
 	sent := time.Now()
-	rctx, cancel := context.WithTimeout(ctx, f.renewal.attemptLimit(sent))
+	limit := f.renewal.attemptLimit(sent)
+	rctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
 	secret, err := f.s.client.Sys().RenewWithContext(rctx, f.leaseID, int(f.renewal.increment/time.Second))
-	cancel()
 	if ctx.Err() != nil {
 		return
 	}
@@ -205,7 +206,7 @@ func (f *pathFollow) renew(ctx context.Context) {
 		err = errors.New("the renewal's answer holds no lease")
 	}
 	if err != nil {
-		err = describe(err)
+		err = attemptFailure(err, rctx, limit)
 		if wait := f.renewal.failed(time.Now(), err); wait > 0 {
 			f.s.log.Warn("could not renew a lease; retrying", "path", f.path, "lease", f.leaseID, "err", err,
 				"retry_in", wait.Round(time.Millisecond), "expires_in", time.Until(f.renewal.expires()).Round(time.Second))
@@ -244,7 +245,7 @@ func (f *pathFollow) pass(ctx context.Context) error {
 // what it gave.
 func (f *pathFollow) readOther(ctx context.Context) error {
 	sent := time.Now()
-	secret, err := f.s.client.Logical().ReadWithContext(ctx, f.path)
+	secret, err := f.s.client.Logical().ReadWithContext(withPatience(ctx), f.path)
 	if err != nil {
 		return fmt.Errorf("reading %s: %w", f.path, describe(err))
 	}

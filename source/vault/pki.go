@@ -226,7 +226,7 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	for k, v := range req.values() {
 		data[k] = v[0]
 	}
-	secret, err := s.client.Logical().WriteWithContext(ctx, req.role, data)
+	secret, err := s.client.Logical().WriteWithContext(withPatience(ctx), req.role, data)
 	if err != nil {
 		return issued{}, describe(err)
 	}

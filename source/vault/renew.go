@@ -1,6 +1,8 @@
 package vault
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -100,6 +102,16 @@ func (r *renewal) next() (at time.Time, replace bool) {
 // by a node that does not answer leaves time to retry through another.
 func (r *renewal) attemptLimit(now time.Time) time.Duration {
 	return max(r.expires().Sub(now)/2, giveUpFloor)
+}
+
+// attemptFailure returns err, the failure of a renewal attempt whose
+// context attempt ended after limit, in words: a deadline of the attempt's
+// own says that no answer came within half the time the lease had left.
+func attemptFailure(err error, attempt context.Context, limit time.Duration) error {
+	if errors.Is(attempt.Err(), context.DeadlineExceeded) {
+		return fmt.Errorf("no answer within %v, half the time it had left", limit.Round(time.Millisecond))
+	}
+	return describe(err)
 }
 
 // why returns why the lease is replaced.

@@ -214,22 +214,26 @@ func (s *session) keep(ctx context.Context, auth *api.SecretAuth, start time.Tim
 			return r.why()
 		}
 		sent := time.Now()
-		rctx, cancel := context.WithTimeout(ctx, r.attemptLimit(sent))
+		limit := r.attemptLimit(sent)
+		rctx, cancel := context.WithTimeout(ctx, limit)
 		secret, err := s.client.Auth().Token().RenewSelfWithContext(rctx, int(r.increment/time.Second))
-		cancel()
 		if ctx.Err() != nil {
+			cancel()
 			return "stopping"
 		}
 		if err == nil && (secret == nil || secret.Auth == nil) {
 			err = errors.New("the renewal's answer holds no token")
 		}
 		if err != nil {
-			if wait := r.failed(time.Now(), describe(err)); wait > 0 {
-				s.log.Warn("could not renew the vault token; retrying", "err", describe(err), "retry_in", wait.Round(time.Millisecond),
+			err = attemptFailure(err, rctx, limit)
+			cancel()
+			if wait := r.failed(time.Now(), err); wait > 0 {
+				s.log.Warn("could not renew the vault token; retrying", "err", err, "retry_in", wait.Round(time.Millisecond),
 					"expires_in", time.Until(r.expires()).Round(time.Second))
 			}
 			continue
 		}
+		cancel()
 		r.renewed(sent, time.Duration(secret.Auth.LeaseDuration)*time.Second, secret.Auth.Renewable)
 		s.log.Debug("renewed the vault token", "ttl_seconds", secret.Auth.LeaseDuration)
 	}

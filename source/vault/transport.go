@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
-	"strings"
 	"sync"
 	"time"
 
@@ -36,9 +35,9 @@ import (
 //     its connection is closed: Vault computes an answer before it sends
 //     it, so a node that holds a request this long is taken for frozen
 //     (SIGSTOP, a stalled disk, a standby forwarding to a frozen active
-//     node), and the retry dials again. A certificate's issue or signing
-//     (a path MOUNT/issue/ROLE or MOUNT/sign/ROLE), whose key generation
-//     may take seconds, waits for the whole timeout instead;
+//     node), and the retry dials again. A request whose answer Vault may
+//     take seconds to compute (withPatience: a certificate's issue, a
+//     dynamic secret's read) waits for the whole timeout instead;
 //   - a response whose body passes limit bytes fails with an error
 //     wrapping source.ErrOverLimits.
 //
@@ -72,7 +71,7 @@ func (t transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		mu.Unlock()
 	}}
 	ctx, cancel := context.WithCancelCause(httptrace.WithClientTrace(req.Context(), trace))
-	if t.headerWait > 0 && !slowPath(req.URL.Path) {
+	if t.headerWait > 0 && !patient(req.Context()) {
 		timer := time.AfterFunc(t.headerWait, func() { cancel(errNoAnswer) })
 		defer timer.Stop()
 	}
@@ -112,11 +111,23 @@ func (t transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	return resp, nil
 }
 
-// slowPath reports whether p (/v1/MOUNT/issue/ROLE, /v1/MOUNT/sign/ROLE)
-// asks for a certificate, whose answer may take the whole timeout.
-func slowPath(p string) bool {
-	elems := strings.Split(strings.Trim(strings.TrimPrefix(p, "/v1/"), "/"), "/")
-	return len(elems) >= 3 && (elems[len(elems)-2] == "issue" || elems[len(elems)-2] == "sign")
+// patientKey marks a request's context (withPatience) whose answer may
+// take the whole timeout.
+type patientKey struct{}
+
+// withPatience returns ctx for a request whose answer Vault may take
+// seconds to compute: a certificate's issue (its key generation), a
+// dynamic secret's read (a user created in a database). Such a request
+// is bounded by the source's timeout alone, not by headerWait, so that it
+// is not retried — and its credentials made again — while Vault works.
+func withPatience(ctx context.Context) context.Context {
+	return context.WithValue(ctx, patientKey{}, true)
+}
+
+// patient reports whether ctx is withPatience's.
+func patient(ctx context.Context) bool {
+	p, _ := ctx.Value(patientKey{}).(bool)
+	return p
 }
 
 // cancelOnClose is a response body that ends its request's context when

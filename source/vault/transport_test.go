@@ -1,6 +1,7 @@
 package vault
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -10,8 +11,8 @@ import (
 )
 
 // TestTransportGivesUpOnASilentNode: a request whose answer has not begun
-// within headerWait fails, saying why, while a certificate's issue waits
-// for its answer; a slow body is not cut.
+// within headerWait fails, saying why, while a patient one (a
+// certificate's issue) waits for its answer; a slow body is not cut.
 func TestTransportGivesUpOnASilentNode(t *testing.T) {
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -55,22 +56,13 @@ func TestTransportGivesUpOnASilentNode(t *testing.T) {
 		time.Sleep(time.Second)
 		release <- struct{}{}
 	}()
-	resp, err = c.Post(srv.URL+"/v1/pki/issue/web", "application/json", strings.NewReader("{}"))
+	req, err := http.NewRequestWithContext(withPatience(context.Background()), http.MethodPost, srv.URL+"/v1/pki/issue/web", strings.NewReader("{}"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err = c.Do(req)
 	if err != nil {
 		t.Fatalf("an issue waiting a second for its certificate: %v", err)
 	}
 	resp.Body.Close()
-}
-
-// TestSlowPath: certificates are issued and signed on MOUNT/issue/ROLE and
-// MOUNT/sign/ROLE.
-func TestSlowPath(t *testing.T) {
-	for p, want := range map[string]bool{
-		"/v1/pki/issue/web": true, "/v1/pki_int/sign/web": true, "/v1/a/b/issue/r": true,
-		"/v1/secret/data/issue": false, "/v1/issue/x": false, "/v1/sys/leases/renew": false,
-	} {
-		if got := slowPath(p); got != want {
-			t.Errorf("slowPath(%q) = %v; want %v", p, got, want)
-		}
-	}
 }

@@ -316,7 +316,7 @@ const (
 	// source's timeout (transport): Vault computes an answer before it
 	// sends it, so a node that holds a request this long is taken for
 	// frozen.
-	maxHeaderWait = 5 * time.Second
+	maxHeaderWait = 3 * time.Second
 )
 
 // retryCap returns the longest wait between two attempts of a failing
