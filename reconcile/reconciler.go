@@ -95,7 +95,9 @@ type Reconciler struct {
 	// running holds the class of each operation in flight, verifyAt when
 	// the next verification may start, and digests the desired payloads'
 	// digests of mounts not yet adopted (schedule.go).
-	running  map[string]opClass
+	running map[string]opClass
+	// kinds holds the kind of each operation in flight.
+	kinds    map[string]OpKind
 	verifyAt time.Time
 	digests  map[string]digestAt
 	// openFiles is the soft limit on open files; startedAt is when Run
@@ -175,6 +177,7 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 		adopts:    make(chan adoptRequest),
 		pings:     make(chan chan struct{}),
 		running:   map[string]opClass{},
+		kinds:     map[string]OpKind{},
 		digests:   map[string]digestAt{},
 		openFiles: openFileLimit(),
 		procs:     newProcs(log),
@@ -420,6 +423,7 @@ func (r *Reconciler) dispatch(op Op, d *DesiredMount) {
 		actual = *a
 	}
 	r.asw.InFlight[op.Mount] = true
+	r.kinds[op.Mount] = op.Kind
 	go func() {
 		r.results <- r.execute(op, d, actual, rt)
 	}()
@@ -430,6 +434,7 @@ func (r *Reconciler) dispatch(op Op, d *DesiredMount) {
 func (r *Reconciler) apply(res result) {
 	name := res.op.Mount
 	delete(r.asw.InFlight, name)
+	delete(r.kinds, name)
 	log := r.log.With("mount", name)
 	now := time.Now()
 	r.finished(name, res.duration, now)
@@ -547,7 +552,11 @@ func (r *Reconciler) status(dsw DesiredState) []MountStatus {
 		d := dsw[name]
 		st := MountStatus{Name: name, Dir: d.Spec.Dir, Medium: d.Spec.Medium, Optional: d.Spec.Optional, Waiting: d.Waiting, Stale: d.Stale, Err: d.Err}
 		a := r.asw.Mounts[name]
-		st.Projected = a != nil && d.Ready() && a.Generation == d.Generation && !r.asw.InFlight[name]
+		// Collecting a replaced version or verifying the files leaves the
+		// mount's content as it is: only a write takes it out of
+		// projected while it runs.
+		writing := r.asw.InFlight[name] && r.kinds[name] != Collect && r.kinds[name] != Verify
+		st.Projected = a != nil && d.Ready() && a.Generation == d.Generation && !writing
 		if f := r.asw.Failures[name]; f != nil && !st.Projected {
 			st.Err = f.Err
 		}

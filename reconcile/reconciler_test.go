@@ -23,6 +23,15 @@ type reconcilerRun struct {
 
 	mu     sync.Mutex
 	status map[string]MountStatus
+	// onPass, when set, is called with every pass's status of each mount.
+	onPass func(MountStatus)
+}
+
+// watchPasses calls f with every later pass's status of each mount.
+func (r *reconcilerRun) watchPasses(f func(MountStatus)) {
+	r.mu.Lock()
+	r.onPass = f
+	r.mu.Unlock()
 }
 
 func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
@@ -50,6 +59,9 @@ func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
 		r.status = map[string]MountStatus{}
 		for _, s := range pass.Mounts {
 			r.status[s.Name] = s
+			if r.onPass != nil {
+				r.onPass(s)
+			}
 		}
 	})})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -150,4 +162,61 @@ func TestReconcilerTearsDownRemovedMounts(t *testing.T) {
 	if got := r.read("keep", "a"); got != "1" {
 		t.Errorf("kept mount holds %q", got)
 	}
+}
+
+// TestCollectionKeepsAMountProjected: the collection of a replaced
+// version (keep_replaced after a change) and a verification run on a
+// mount that holds its desired payload; no pass reports it as anything
+// but projected meanwhile (/readyz answered 503 for a moment at each
+// collection).
+func TestCollectionKeepsAMountProjected(t *testing.T) {
+	m := testMount("m", "/m/", func(m *config.Mount) { m.KeepReplaced = 50 * time.Millisecond })
+	r := startReconciler(t, m)
+	var mu sync.Mutex
+	var seen []bool
+	r.publish("/m/", map[string]string{"a": "1"})
+	r.wait("m", "projected", projected)
+	r.publish("/m/", map[string]string{"a": "2"})
+	r.wait("m", "updated", func(st MountStatus) bool { return st.Projected && r.read("m", "a") == "2" })
+	r.watchPasses(func(st MountStatus) {
+		mu.Lock()
+		seen = append(seen, st.Projected)
+		mu.Unlock()
+	})
+	// The replaced version goes 50 ms after the switch.
+	deadline := time.Now().Add(30 * time.Second)
+	for versions(t, m.Dir) > 1 {
+		if time.Now().After(deadline) {
+			t.Fatal("the replaced version was never collected")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	r.trigger.Fire()
+	time.Sleep(100 * time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) == 0 {
+		t.Fatal("no pass seen")
+	}
+	for i, p := range seen {
+		if !p {
+			t.Fatalf("pass %d of %d reported the mount not projected during its collection", i+1, len(seen))
+		}
+	}
+}
+
+// versions returns how many version directories dir holds.
+func versions(t *testing.T, dir string) int {
+	t.Helper()
+	list, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, e := range list {
+		if e.IsDir() && strings.HasPrefix(e.Name(), "..") {
+			n++
+		}
+	}
+	return n
 }
