@@ -35,6 +35,8 @@ const (
 	DefaultPollInterval = 30 * time.Second
 	// MaxWait is the longest wait Consul accepts for a blocking query.
 	MaxWait = 10 * time.Minute
+	// minProbeInterval is the shortest probe_interval.
+	minProbeInterval = 100 * time.Millisecond
 )
 
 // Change detection strategies and consistency modes.
@@ -77,6 +79,12 @@ type Config struct {
 	ChangeDetection string
 	// PollInterval is the period of Poll.
 	PollInterval time.Duration
+	// ProbeInterval is how often the liveness probe reads the agent in
+	// watch mode (liveness.go); MaxStale is the longest an answering
+	// server's last contact with its leader may be for its answer to
+	// count as current (X-Consul-LastContact).
+	ProbeInterval time.Duration
+	MaxStale      time.Duration
 	// PeerUID, when ≥ 0, is the user the agent must run as (peer_user):
 	// every connection to it is checked (peercred), so that a local user
 	// who takes its port while it is down feeds nothing and receives no
@@ -116,6 +124,8 @@ func Decode(sec *config.Section) any {
 		ChangeDetection: sec.Choice("change_detection", Watch, Watch, Poll),
 		PollInterval:    sec.DurationAtLeast("poll_interval", DefaultPollInterval, config.MinPollInterval),
 		PeerUID:         sec.UserID("peer_user"),
+		ProbeInterval:   sec.DurationAtLeast("probe_interval", DefaultProbeInterval, minProbeInterval),
+		MaxStale:        sec.Duration("max_stale", DefaultMaxStale),
 	}
 	u, err := url.Parse(c.Address)
 	switch {
@@ -123,6 +133,9 @@ func Decode(sec *config.Section) any {
 		sec.Errorf("address", "%q: want a URL with scheme http or https, such as %q", c.Address, DefaultAddress)
 	case u.Path != "" && u.Path != "/":
 		sec.Errorf("address", "%q: want no path", c.Address)
+	}
+	if c.MaxStale <= 0 {
+		sec.Errorf("max_stale", "%v: want a positive duration, such as %q", c.MaxStale, DefaultMaxStale.String())
 	}
 	if c.Wait > MaxWait {
 		sec.Errorf("wait", "%v is longer than Consul's maximum of %v", c.Wait, MaxWait)
@@ -156,6 +169,13 @@ type Source struct {
 	lists     map[string]*listing // the latest listing of each group
 	followers []*follower         // every Follow's state, sorted by prefix
 	regroup   context.CancelFunc  // stops the running queries to group anew
+	// highest is the highest index published for each group, kept
+	// across the failures and restarts of its query: a lower one is
+	// published only once a consistent read confirms it (never backwards).
+	highest map[string]uint64
+	// unhealthy is the liveness probe's failure, nil while it passes
+	// (liveness.go).
+	unhealthy error
 }
 
 var _ source.Source = (*Source)(nil)
@@ -208,7 +228,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, highest: map[string]uint64{}}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }
@@ -304,9 +324,11 @@ func nextIndex(index, got uint64) uint64 {
 	return got
 }
 
-// list reads prefix, blocking while its index is index (0: no blocking). A
-// missing prefix returns nil pairs.
-func (s *Source) list(ctx context.Context, prefix string, index uint64) (api.KVPairs, *api.QueryMeta, error) {
+// list reads prefix in the consistency mode consistency, blocking while
+// its index is index (0: no blocking). A missing prefix returns nil pairs.
+// In stale mode an answer from a server that knows no leader, or last
+// heard from it longer than max_stale ago, is an error (judge).
+func (s *Source) list(ctx context.Context, prefix string, index uint64, consistency string) (api.KVPairs, *api.QueryMeta, error) {
 	// The server answers by Wait plus up to Wait/16 of jitter; past that,
 	// the connection is taken for lost.
 	timeout := s.cfg.Wait + s.cfg.Wait/16 + 10*time.Second
@@ -315,8 +337,8 @@ func (s *Source) list(ctx context.Context, prefix string, index uint64) (api.KVP
 	q := &api.QueryOptions{
 		WaitIndex:         index,
 		WaitTime:          s.cfg.Wait,
-		AllowStale:        s.cfg.Consistency == ConsistencyStale,
-		RequireConsistent: s.cfg.Consistency == ConsistencyConsistent,
+		AllowStale:        consistency == ConsistencyStale,
+		RequireConsistent: consistency == ConsistencyConsistent,
 	}
 	pairs, meta, err := s.client.KV().List(prefix, q.WithContext(qctx))
 	if err != nil {
@@ -324,6 +346,11 @@ func (s *Source) list(ctx context.Context, prefix string, index uint64) (api.KVP
 			err = fmt.Errorf("no answer within %v", timeout)
 		}
 		return nil, nil, fmt.Errorf("source/consul: list %s: %w", prefix, err)
+	}
+	if consistency == ConsistencyStale {
+		if err := judge(meta, s.cfg.MaxStale); err != nil {
+			return nil, nil, fmt.Errorf("source/consul: list %s: %w", prefix, err)
+		}
 	}
 	return pairs, meta, nil
 }

@@ -2,6 +2,7 @@ package consul
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sort"
 	"strconv"
@@ -58,6 +59,16 @@ type listing struct {
 	index  uint64
 	err    error
 }
+
+// Never backwards. A read answered by a server that lags — a follower in
+// stale mode, a survivor after the loss of the leader, a query started
+// afresh after an error — may carry a lower index than one already
+// published, and with it older values: a mount would go back in time. A
+// snapshot restore lowers the index too, and must be followed. So a
+// group's highest published index is kept (Source.highest), and an answer
+// below it is published only once a consistent read (the leader,
+// confirming its leadership with a quorum) confirms that the store went
+// back; until then the group's followers are stale.
 
 // join registers a follower of prefix and then joins the shared watcher
 // (the first starts it): registered first, it is handed the very first
@@ -219,6 +230,21 @@ func (s *Source) set(l *listing) {
 		}
 	}
 	s.lists[l.parent] = l
+	if l.err == nil {
+		s.highest[l.parent] = l.index
+	}
+	if s.unhealthy != nil {
+		// The liveness probe fails: what the query read is kept, and
+		// published once it passes (the queries then read afresh).
+		lo, hi := s.followersIn(l.parent)
+		for _, st := range s.followers[lo:hi] {
+			if text := s.unhealthy.Error(); st.errText != text {
+				st.pub.Status(s.unhealthy)
+				st.errText = text
+			}
+		}
+		return
+	}
 	// The group's followers and the pairs are both sorted by key: one walk
 	// over the two finds each follower's range. For a thousand followers
 	// of a thousand keys that takes 0.03 ms per change; a binary search
@@ -282,9 +308,14 @@ func (s *Source) deliver(st *follower, l *listing, own api.KVPairs) {
 func (s *Source) watch(ctx context.Context) {
 	defer func() {
 		s.mu.Lock()
-		s.groups, s.lists, s.regroup = nil, map[string]*listing{}, nil
+		s.groups, s.lists, s.regroup, s.unhealthy = nil, map[string]*listing{}, nil, nil
 		s.mu.Unlock()
 	}()
+	if s.cfg.ChangeDetection == Watch {
+		var probing sync.WaitGroup
+		probing.Go(func() { s.liveness(ctx) })
+		defer probing.Wait()
+	}
 	for ctx.Err() == nil {
 		groups := partition(s.fanout.Prefixes(), maxQueries)
 		gctx, cancel := context.WithCancel(ctx)
@@ -293,6 +324,11 @@ func (s *Source) watch(ctx context.Context) {
 		for parent := range s.lists {
 			if !slices.Contains(groups, parent) {
 				delete(s.lists, parent)
+			}
+		}
+		for parent := range s.highest {
+			if !slices.Contains(groups, parent) {
+				delete(s.highest, parent)
 			}
 		}
 		s.mu.Unlock()
@@ -317,7 +353,12 @@ func (s *Source) watch(ctx context.Context) {
 // Consul's rules for blocking queries: the index starts at 0 and is reset
 // to 0 when it goes backwards and after a failed query; it is never sent
 // below 1; returns without a change are rate-limited (a burst of 5, then
-// one per 15 s). In poll mode it reads parent every poll_interval instead.
+// one per 15 s). A return without a change is confirmed with a
+// non-blocking read, so that a store whose index went backwards (a
+// snapshot restore, whose parked queries return with their old index) is
+// read again at once, not after wait; an answer below the group's highest
+// published index is confirmed by a consistent read first (never
+// backwards). In poll mode it reads parent every poll_interval instead.
 func (s *Source) query(ctx context.Context, parent string) {
 	bo := source.NewBackoff()
 	idle := rate.NewLimiter(rate.Every(idleEvery), idleBurst)
@@ -326,7 +367,16 @@ func (s *Source) query(ctx context.Context, parent string) {
 		if s.cfg.ChangeDetection == Poll {
 			index = 0
 		}
-		pairs, meta, err := s.list(withBodyLimit(ctx, s.groupLimit(parent)), parent, index)
+		lctx := withBodyLimit(ctx, s.groupLimit(parent))
+		pairs, meta, err := s.list(lctx, parent, index, s.cfg.Consistency)
+		unchanged := err == nil && index != 0 && meta.LastIndex == index
+		if unchanged {
+			pairs, meta, err = s.list(lctx, parent, 0, s.cfg.Consistency)
+			unchanged = err == nil && meta.LastIndex == index
+		}
+		if highest := s.highestOf(parent); err == nil && meta.LastIndex < highest {
+			pairs, meta, err = s.confirm(lctx, parent, meta.LastIndex, highest)
+		}
 		switch {
 		case ctx.Err() != nil:
 			return
@@ -343,7 +393,6 @@ func (s *Source) query(ctx context.Context, parent string) {
 		if !sort.SliceIsSorted(pairs, func(i, j int) bool { return pairs[i].Key < pairs[j].Key }) {
 			slices.SortFunc(pairs, func(a, b *api.KVPair) int { return strings.Compare(a.Key, b.Key) })
 		}
-		unchanged := index != 0 && meta.LastIndex == index
 		s.set(&listing{parent: parent, pairs: pairs, index: meta.LastIndex})
 		if s.cfg.ChangeDetection == Poll {
 			if !source.Sleep(ctx, source.Jitter(s.cfg.PollInterval)) {
@@ -358,6 +407,32 @@ func (s *Source) query(ctx context.Context, parent string) {
 			}
 		}
 	}
+}
+
+// highestOf returns the highest index published for the group parent.
+func (s *Source) highestOf(parent string) uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.highest[parent]
+}
+
+// confirm reads parent with a consistent read after an answer at index,
+// below highest, the highest published: the consistent read's answer is
+// the store's, a restore's lower index included, where the first may have
+// come from a server that lags.
+func (s *Source) confirm(ctx context.Context, parent string, index, highest uint64) (api.KVPairs, *api.QueryMeta, error) {
+	pairs, meta, err := s.list(ctx, parent, 0, ConsistencyConsistent)
+	switch {
+	case err != nil:
+		return nil, nil, fmt.Errorf("an answer at index %d, below %d already published, cannot be confirmed: %w", index, highest, err)
+	case meta.LastIndex < highest:
+		s.log.Warn("the index went back, and a consistent read confirms it: the store was restored or lost data; following it",
+			"prefix", parent, "index", meta.LastIndex, "published", highest)
+	default:
+		s.log.Info("an answer from a server that lags was left out; a consistent read is newer", "prefix", parent,
+			"lagging", index, "index", meta.LastIndex)
+	}
+	return pairs, meta, nil
 }
 
 // groupLimit returns the most bytes of a response to the query of group g
