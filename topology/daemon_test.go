@@ -179,6 +179,27 @@ func (s *states) watch(ctx context.Context, d *kvmountd, mounts ...string) {
 	}
 }
 
+// during returns a time in [from, to] at which mount was in state, and
+// whether there was one.
+func (s *states) during(mount, state string, from, to time.Time) (time.Time, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c := s.changes[mount]
+	for i, ch := range c {
+		end := time.Now()
+		if i+1 < len(c) {
+			end = c[i+1].at
+		}
+		if ch.state == state && ch.at.Before(to) && end.After(from) {
+			if ch.at.Before(from) {
+				return from, true
+			}
+			return ch.at, true
+		}
+	}
+	return time.Time{}, false
+}
+
 // String returns each mount's changes, for the log.
 func (s *states) String() string {
 	s.mu.Lock()
