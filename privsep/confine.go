@@ -2,11 +2,9 @@ package privsep
 
 import (
 	"fmt"
-	"runtime"
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/landlock-lsm/go-landlock/landlock"
-	"golang.org/x/sys/unix"
 )
 
 // Policy is what a confined worker may still reach.
@@ -45,11 +43,14 @@ type Confinement struct {
 
 // Confine narrows what the calling process may do, on all its threads and
 // for good: a Landlock ruleset (through github.com/landlock-lsm/go-landlock,
-// best effort: what the kernel's ABI offers) limits it to p, and a seccomp
-// filter (github.com/elastic/go-seccomp-bpf, with TSYNC) refuses with
-// EPERM the system calls in deniedSyscalls, and clone with a namespace
-// flag. It sets no_new_privs, which both need. A worker calls it before
-// it reads anything from outside.
+// best effort: what the kernel's ABI offers) limits it to p — files, TCP
+// and UDP ports, unix sockets, and from ABI 6 the scopes of signals and
+// abstract unix sockets —, and a seccomp filter
+// (github.com/elastic/go-seccomp-bpf, with TSYNC) allows only the system
+// calls and arguments of sandbox.go's allowlist for p, refusing every other
+// one and every other architecture's with EPERM. It sets no_new_privs,
+// which both need. A worker calls it before it reads anything from
+// outside.
 //
 // Without Landlock or seccomp in the kernel, Confine applies what there
 // is and says so in its result; it returns an error only when a facility
@@ -75,67 +76,13 @@ func Confine(p Policy) (Confinement, error) {
 	if !seccomp.Supported() {
 		return c, nil
 	}
-	filter := seccomp.Filter{
-		NoNewPrivs: true,
-		Flag:       seccomp.FilterFlagTSync,
-		Policy: seccomp.Policy{
-			DefaultAction: seccomp.ActionAllow,
-			Syscalls: []seccomp.SyscallGroup{
-				{Action: seccomp.ActionErrno, Names: deniedSyscalls()},
-				// clone3 is "not implemented": glibc's pthread_create (a
-				// cgo program's threads) falls back to clone then, and
-				// fails on EPERM.
-				{Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS), Names: []string{"clone3"}},
-				// clone with a namespace flag: a new thread or process of
-				// its own is all the worker may make.
-				{Action: seccomp.ActionErrno, NamesWithCondtions: cloneNamespaces()},
-			},
-		},
+	filter, err := filterFor(p)
+	if err != nil {
+		return c, fmt.Errorf("privsep: the seccomp filter: %w", err)
 	}
 	if err := seccomp.LoadFilter(filter); err != nil {
 		return c, fmt.Errorf("privsep: loading the seccomp filter: %w", err)
 	}
 	c.Seccomp = true
 	return c, nil
-}
-
-// namespaceFlags are clone(2)'s flags that make a new namespace.
-// (CLONE_NEWTIME is only clone3's and unshare's: in clone's flags its bit
-// is part of the exit signal.)
-const namespaceFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
-	unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET
-
-// cloneNamespaces is the rule that refuses clone with any of
-// namespaceFlags, where clone's flags are its first argument (amd64,
-// arm64; s390x has them second); elsewhere none.
-func cloneNamespaces() []seccomp.NameWithConditions {
-	if runtime.GOARCH != "amd64" && runtime.GOARCH != "arm64" {
-		return nil
-	}
-	return []seccomp.NameWithConditions{{Name: "clone", Conditions: seccomp.ArgumentConditions{
-		{Argument: 0, Operation: seccomp.BitsSet, Value: namespaceFlags},
-	}}}
-}
-
-// deniedSyscalls are the system calls a worker never makes, refused with
-// EPERM (and clone3, whose namespace flags clone's filter cannot see, with
-// ENOSYS): mounting and namespaces, tracing and reading other processes'
-// memory, changing its identity or files' owners, executing a program,
-// loading kernel code or BPF, io_uring (which bypasses this filter), and
-// the host's clocks, keys, swap and reboot. Go's runtime and net package
-// need none of them.
-func deniedSyscalls() []string {
-	return append([]string{
-		"mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount", "fsconfig", "fspick",
-		"move_mount", "open_tree", "mount_setattr", "unshare", "setns",
-		"ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
-		"setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid", "setfsuid", "setfsgid",
-		"setgroups", "capset", "fchown", "fchownat", "mknodat",
-		"execve", "execveat",
-		"init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "bpf",
-		"perf_event_open", "userfaultfd", "open_by_handle_at", "name_to_handle_at",
-		"io_uring_setup", "io_uring_enter", "io_uring_register",
-		"keyctl", "add_key", "request_key", "acct", "quotactl", "swapon", "swapoff", "reboot",
-		"settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "syslog", "sethostname", "setdomainname", "vhangup",
-	}, archDeniedSyscalls...)
 }

@@ -12,7 +12,6 @@ import (
 	"strings"
 	"testing"
 
-	seccomp "github.com/elastic/go-seccomp-bpf"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/internal/escapetest"
@@ -240,19 +239,24 @@ func TestSpawnRefusesRoot(t *testing.T) {
 	}
 }
 
-// TestDeniedSyscallsExist: every name in the filter is a system call of
-// this architecture (the library refuses unknown names), and none is
-// listed twice.
-func TestDeniedSyscallsExist(t *testing.T) {
+// TestFilterAssembles: the allowlist assembles for every kind of policy
+// on this architecture (the library refuses a name the architecture does
+// not have), and lists no system call twice.
+func TestFilterAssembles(t *testing.T) {
 	seen := map[string]bool{}
-	for _, n := range deniedSyscalls() {
+	for _, n := range workerSyscalls {
 		if seen[n] {
 			t.Errorf("%s listed twice", n)
 		}
 		seen[n] = true
 	}
-	p := seccomp.Policy{DefaultAction: seccomp.ActionAllow, Syscalls: []seccomp.SyscallGroup{{Action: seccomp.ActionErrno, Names: deniedSyscalls()}}}
-	if _, err := p.Assemble(); err != nil {
-		t.Fatal(err)
+	for _, p := range []Policy{{}, {ConnectTCP: []uint16{2379}}, {ConnectTCP: []uint16{443}, SendUDP: []uint16{53}}, {UnixSockets: []string{"/run/etcd.sock"}}} {
+		f, err := filterFor(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.Policy.Assemble(); err != nil {
+			t.Errorf("%+v: %v", p, err)
+		}
 	}
 }
