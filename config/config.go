@@ -52,6 +52,8 @@ const (
 	DefaultMaxValueSize = 1 << 20
 	// DefaultMaxFiles is the most files a mount's payload may hold.
 	DefaultMaxFiles = 10_000
+	// DefaultMaxTotalSize bounds every mount's payload together, 1 GiB.
+	DefaultMaxTotalSize = 1 << 30
 	// DefaultCheckTimeout bounds a mount's check_command.
 	DefaultCheckTimeout = 30 * time.Second
 	// DefaultKeepReplaced is how long a replaced version stays after a
@@ -84,6 +86,11 @@ type Config struct {
 	// KeepReplaced is the default of the mounts' KeepReplaced
 	// (keep_replaced).
 	KeepReplaced time.Duration
+	// MaxTotalSize bounds the payloads of every mount together, in bytes
+	// (max_total_size): what root holds of them at once. A payload that
+	// would take the total past it is not projected; its mount keeps its
+	// content.
+	MaxTotalSize int64
 	// Sources by name.
 	Sources map[string]*Source
 	// Mounts in file order.
@@ -123,6 +130,10 @@ type Mount struct {
 	SizeLimit int64
 	// DefaultMode is the permission of files without an item mode.
 	DefaultMode fs.FileMode
+	// DefaultModeSet reports whether default_mode was written, not
+	// taken by default: a source may then default a secret file to a
+	// stricter mode (a private key's 0600).
+	DefaultModeSet bool
 	// DirMode is the permission of the mount's directories: the mount
 	// directory kvmount creates (or the tmpfs root), the version
 	// directories and the directories inside them.
@@ -260,6 +271,10 @@ func ParseWith(name string, data []byte, kinds map[string]SourceDecoder, files F
 	cfg.LogFormat = top.Choice("log_format", "text", "text", "json")
 	cfg.ResyncInterval = top.DurationAtLeast("resync_interval", DefaultResyncInterval, MinResyncInterval)
 	cfg.KeepReplaced = top.DurationOrZero("keep_replaced", DefaultKeepReplaced)
+	cfg.MaxTotalSize = top.Size("max_total_size", DefaultMaxTotalSize)
+	if cfg.MaxTotalSize <= 0 {
+		top.Errorf("max_total_size", "want a positive size, such as \"1GiB\"")
+	}
 	cfg.Admin, cfg.AdminSocket = DefaultAdminAddress, DefaultAdminSocket
 	if top.Has("admin") {
 		admin := top.Table("admin")
@@ -352,6 +367,7 @@ func decodeMount(sec *Section, cfg *Config) *Mount {
 		sec.Errorf("size_limit", "applies to medium \"tmpfs\" only")
 	}
 	m.DefaultMode = sec.Mode("default_mode", DefaultMode)
+	m.DefaultModeSet = sec.Has("default_mode")
 	m.DirMode = sec.Mode("dir_mode", DefaultDirMode)
 	m.Immutable = sec.Bool("immutable", false)
 	m.AllowEmpty = sec.Bool("allow_empty", false)
@@ -467,6 +483,8 @@ func decodeProjection(sec *Section, cfg *Config, m *Mount, paths map[string]bool
 			isec.Done()
 			p.Items = append(p.Items, it)
 		}
+	} else if d, ok := sourceSettings(src).(ItemDefaulter); ok {
+		p.Items = d.DefaultItems(p.Prefix, m)
 	}
 	return p
 }
@@ -558,3 +576,45 @@ func within(dir, parent string) bool {
 // another: the overflow ids of Linux (65534, the nobody user and the
 // nogroup group of Debian and Red Hat alike).
 const Nobody = 65534
+
+// EffectiveMaxSize returns the most bytes m's payload may hold: the
+// smaller of max_mount_size and, on tmpfs, size_limit; 0 when neither
+// bounds it.
+func (m *Mount) EffectiveMaxSize() int64 {
+	limit := m.MaxMountSize
+	if m.Medium == MediumTmpfs && m.SizeLimit > 0 && (limit == 0 || m.SizeLimit < limit) {
+		limit = m.SizeLimit
+	}
+	return limit
+}
+
+// FileModes returns the permission of each file of m's payloads, by its
+// path (clean), as the configuration alone says: a template's mode for
+// its path, an item's for its, else default_mode — the rule MakePayload
+// applies, which the monitor applies again to what a worker sends, so
+// that no worker chooses a mode.
+func (m *Mount) FileModes() func(p string) fs.FileMode {
+	explicit := map[string]fs.FileMode{}
+	mode := func(set fs.FileMode) fs.FileMode {
+		if set != 0 {
+			return set.Perm()
+		}
+		return m.DefaultMode.Perm()
+	}
+	for _, pr := range m.Projections {
+		for _, it := range pr.Items {
+			if clean, err := projector.CleanPath(it.Path); err == nil {
+				explicit[clean] = mode(it.Mode)
+			}
+		}
+	}
+	for _, t := range m.Templates {
+		explicit[t.Path] = mode(t.Mode)
+	}
+	return func(p string) fs.FileMode {
+		if set, ok := explicit[p]; ok {
+			return set
+		}
+		return m.DefaultMode.Perm()
+	}
+}

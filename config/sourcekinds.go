@@ -15,6 +15,15 @@ type ProjectionDecoder interface {
 	DecodeProjection(sec *Section, m *Mount) string
 }
 
+// ItemDefaulter is implemented by source settings whose projections have
+// files of their own without items (a Vault source's PKI certificate):
+// DefaultItems returns the items of the projection of prefix when its
+// table gives none — such as a private key made 0600 unless m's
+// default_mode is written —, nil for a projection of every key.
+type ItemDefaulter interface {
+	DefaultItems(prefix string, m *Mount) []Item
+}
+
 // sourceSettings returns src's settings; nil for a nil src.
 func sourceSettings(src *Source) any {
 	if src == nil {

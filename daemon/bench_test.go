@@ -209,8 +209,11 @@ var (
 func TestMain(m *testing.M) {
 	// The daemon starts this binary again as its worker, or as
 	// TestHostileWorker's.
-	if os.Getenv(WorkerEnv) == hostileMode {
+	switch os.Getenv(WorkerEnv) {
+	case hostileMode:
 		hostileWorker()
+	case compromisedMode:
+		compromisedWorker()
 	}
 	MaybeWorker(testRegistry())
 	code := m.Run()

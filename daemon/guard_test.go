@@ -54,7 +54,10 @@ func TestTmpfsMedium(t *testing.T) {
 
 	// A payload larger than the tmpfs is refused; the content stays.
 	h.put("/s/huge", strings.Repeat("x", 100<<10))
-	h.waitLog("operation failed", "mount=secrets", "more than size_limit")
+	// The worker does not send it: the monitor would refuse it as it
+	// arrives, and stop the worker (a payload past the mount's bounds is
+	// a breach of the protocol).
+	h.waitLog("cannot send mount payload; keeping last content", "mount=secrets", "more than size_limit")
 	if got, v := content(dir); got["db-password"] != "hunter2" || v != version || len(got) != 2 {
 		t.Errorf("content after the refused payload: %v at %s", summary(got), v)
 	}
@@ -358,7 +361,8 @@ func TestForeignTmpfsIsRefused(t *testing.T) {
 
 // TestTmpfsReplacesAFullPayload: a payload of size_limit replaces another
 // of size_limit whose files all changed, again and again, on a tmpfs sized
-// by kvmount; one page more than size_limit is refused before writing.
+// by kvmount; one page more than size_limit is refused before writing —
+// by the worker, which does not send it.
 func TestTmpfsReplacesAFullPayload(t *testing.T) {
 	roottest.Require(t)
 	h := newHarness(t)
@@ -387,7 +391,7 @@ func TestTmpfsReplacesAFullPayload(t *testing.T) {
 		h.waitContent(dir, want)
 	}
 	h.put("/full/one-more", "x")
-	h.waitLog("operation failed", "mount=full", "more than size_limit")
+	h.waitLog("cannot send mount payload; keeping last content", "mount=full", "more than size_limit")
 	if n := h.logs.Count("no space left"); n != 0 {
 		t.Errorf("%d writes ran out of space", n)
 	}
@@ -483,7 +487,7 @@ func TestFileCountLimits(t *testing.T) {
 		h.put(kv[:n]...)
 		kv = kv[n:]
 	}
-	h.waitLog("operation failed", "mount=small", "more than size_limit")
+	h.waitLog("cannot send mount payload; keeping last content", "mount=small", "more than size_limit")
 	h.waitLog("cannot build mount payload", "mount=few", "max_files (50)")
 	h.waitMetric(socket, `kvmount_guard_rejections_total{guard="size_limit",mount="small"}`)
 	h.waitMetric(socket, `kvmount_guard_rejections_total{guard="max_files",mount="few"}`)

@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/time/rate"
+
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
@@ -105,6 +107,13 @@ type monitor struct {
 	// waiting for its answer, by Seq.
 	postSeq uint32
 	posts   map[uint32]chan string
+	// asked are the credential files the worker asked for whose answer is
+	// not written yet.
+	asked map[string]bool
+	// relayed paces the worker's log lines; dropped counts those it held
+	// back since the last relayed one.
+	relayed *rate.Limiter
+	dropped int
 }
 
 // newMonitor returns the monitor of cfg, whose files rec read, with the
@@ -115,17 +124,20 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	if err != nil {
 		return nil, err
 	}
-	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered(), mode: opts.workerMode, posts: map[uint32]chan string{}}
+	m := &monitor{log: log, remote: privsep.NewRemote(), offered: privsep.Offered(), mode: opts.workerMode, posts: map[uint32]chan string{},
+		asked: map[string]bool{}, relayed: rate.NewLimiter(relayRate, relayBurst)}
 	if m.mode == "" {
 		m.mode = "worker"
 	}
 	m.super = &privsep.Supervisor{
 		Command: m.workerCommand, Identity: id, Log: log,
-		OnPayload: m.remote.HandlePayload, OnMessage: m.handle, OnIdle: m.remote.Idle,
+		OnPayload: m.remote.HandlePayload, OnMessage: m.handle, OnIdle: m.remote.Idle, OnEnd: m.ended,
+		Budget: m.remote.Budget, OnWritten: m.written,
 	}
 	if err := m.remote.SetMounts(cfg.Mounts); err != nil {
 		return nil, err
 	}
+	m.remote.SetMaxTotal(cfg.MaxTotalSize)
 	m.setRereads(cfg)
 	if err := m.super.Configure(context.Background(), configuration(cfg, rec), false); err != nil {
 		return nil, err
@@ -140,13 +152,15 @@ func configuration(cfg *config.Config, rec *config.Recorder) privsep.Configurati
 	return privsep.Configuration{Config: cfg.Path, Inputs: inputs, Mounts: privsep.Mounts(cfg.Mounts)}
 }
 
-// setRereads makes the credential files of cfg's sources the ones the
-// worker may ask for.
-func (m *monitor) setRereads(cfg *config.Config) {
+// setRereads makes the credential files of cfgs' sources the ones the
+// worker may ask for; any other is a breach of the protocol.
+func (m *monitor) setRereads(cfgs ...*config.Config) {
 	var names []string
-	for _, src := range cfg.Sources {
-		if r, ok := src.Settings.(config.RereadFiles); ok {
-			names = append(names, r.RereadFiles()...)
+	for _, cfg := range cfgs {
+		for _, src := range cfg.Sources {
+			if r, ok := src.Settings.(config.RereadFiles); ok {
+				names = append(names, r.RereadFiles()...)
+			}
 		}
 	}
 	m.rereads.Store(&names)
@@ -158,13 +172,7 @@ func (m *monitor) setRereads(cfg *config.Config) {
 func (m *monitor) handle(msg privsep.Message) {
 	switch msg := msg.(type) {
 	case *privsep.Log:
-		attrs := make([]slog.Attr, 0, len(msg.Attrs)/2+1)
-		for i := 0; i+1 < len(msg.Attrs); i += 2 {
-			attrs = append(attrs, slog.String(msg.Attrs[i], msg.Attrs[i+1]))
-		}
-		attrs = append(attrs, slog.String("from", "worker"))
-		level := min(max(slog.Level(msg.Level), slog.LevelDebug), slog.LevelError)
-		m.log.LogAttrs(context.Background(), level, msg.Message, attrs...)
+		m.relay(msg)
 	case *privsep.Posted:
 		m.mu.Lock()
 		answer := m.posts[msg.Seq]
@@ -174,11 +182,22 @@ func (m *monitor) handle(msg privsep.Message) {
 			answer <- msg.Err
 		}
 	case *privsep.Reread:
-		answer := &privsep.Credential{Name: msg.Name}
+		m.mu.Lock()
+		again := m.asked[msg.Name]
+		m.asked[msg.Name] = true
+		m.mu.Unlock()
+		if again {
+			// One request per file in flight, as OpenSSH's monitor takes
+			// each request only in its turn.
+			m.super.Breach(fmt.Errorf("the worker asked for %s again before the answer to its last request was sent", msg.Name))
+			return
+		}
 		if !slices.Contains(*m.rereads.Load(), msg.Name) {
-			answer.Err = fmt.Sprintf("%s is not a credential file the configuration reads again", msg.Name)
-			m.log.Warn("the worker asked for a file the configuration does not name; refused", "file", msg.Name)
-		} else if s, err := config.ReadSecretFile(msg.Name); err != nil {
+			m.super.Breach(fmt.Errorf("the worker asked for %s, which the configuration does not name", msg.Name))
+			return
+		}
+		answer := &privsep.Credential{Name: msg.Name}
+		if s, err := config.ReadSecretFile(msg.Name); err != nil {
 			answer.Err = err.Error()
 		} else {
 			answer.Value = []byte(s.Reveal())
@@ -187,6 +206,61 @@ func (m *monitor) handle(msg privsep.Message) {
 	default:
 		m.remote.HandleMessage(msg)
 	}
+}
+
+// ended takes the end of a worker: what it asked for is forgotten, and
+// the mounts are stale until the next one reports them.
+func (m *monitor) ended(why error) {
+	m.mu.Lock()
+	clear(m.asked)
+	m.mu.Unlock()
+	m.remote.WorkerEnded(why)
+}
+
+// written takes a message once it is written to the worker: a
+// credential's file may be asked for again.
+func (m *monitor) written(msg privsep.Message) {
+	if c, ok := msg.(*privsep.Credential); ok {
+		m.mu.Lock()
+		delete(m.asked, c.Name)
+		m.mu.Unlock()
+	}
+}
+
+// The worker's log lines are relayed at most relayRate a second after a
+// burst of relayBurst: what passes is dropped and counted, and said in a
+// line of the monitor's own before the next relayed one, so that a
+// worker cannot flood the journal — whose rate limit would then drop the
+// monitor's own lines.
+const (
+	relayRate  = rate.Limit(50)
+	relayBurst = 500
+)
+
+// relay logs msg, a record of the worker's, through the monitor's handler
+// (which escapes outside text): its attributes in a group of their own,
+// "worker", so that none stands for one of the monitor's (time, level,
+// msg), and from=worker; within relayRate.
+func (m *monitor) relay(msg *privsep.Log) {
+	m.mu.Lock()
+	if !m.relayed.Allow() {
+		m.dropped++
+		m.mu.Unlock()
+		return
+	}
+	dropped := m.dropped
+	m.dropped = 0
+	m.mu.Unlock()
+	if dropped > 0 {
+		m.log.Warn("dropped log lines of the worker: it logs faster than the relay allows", "dropped", dropped,
+			"rate_per_second", float64(relayRate), "burst", relayBurst)
+	}
+	attrs := make([]any, 0, len(msg.Attrs)/2)
+	for i := 0; i+1 < len(msg.Attrs); i += 2 {
+		attrs = append(attrs, slog.String(msg.Attrs[i], msg.Attrs[i+1]))
+	}
+	level := min(max(slog.Level(msg.Level), slog.LevelDebug), slog.LevelError)
+	m.log.LogAttrs(context.Background(), level, msg.Message, slog.Group("worker", attrs...), slog.String("from", "worker"))
 }
 
 // postGrace is how long the monitor waits for the worker's answer to a
@@ -246,11 +320,14 @@ func (m *monitor) reconfigure(ctx context.Context, old, cfg *config.Config, rec 
 	restart := !reflect.DeepEqual(oldPolicy, newPolicy)
 	ctx, cancel := context.WithTimeout(ctx, applyTimeout)
 	defer cancel()
-	m.setRereads(cfg)
+	// Until the worker runs cfg, it may ask for the files of either.
+	m.setRereads(old, cfg)
 	if err := m.super.Configure(ctx, configuration(cfg, rec), restart); err != nil {
 		m.setRereads(old)
 		return err
 	}
+	m.setRereads(cfg)
+	m.remote.SetMaxTotal(cfg.MaxTotalSize)
 	if restart {
 		m.log.Info("the configuration reaches other stores: the worker starts again with them")
 	}

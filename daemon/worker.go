@@ -25,6 +25,7 @@ import (
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
+	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
 	"github.com/kvmount/kvmount/source"
 )
@@ -40,6 +41,10 @@ const WorkerEnv = "KVMOUNT_PRIVSEP"
 func MaybeWorker(registry *source.Registry) {
 	if os.Getenv(WorkerEnv) != "worker" {
 		return
+	}
+	if err := privsep.Harden(privsep.WorkerFD); err != nil {
+		fmt.Fprintln(os.Stderr, "kvmount worker:", err)
+		os.Exit(1)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	err := RunWorker(ctx, privsep.WorkerConn(), registry)
@@ -73,7 +78,9 @@ type worker struct {
 	// payloadGen the generation whose payload was last sent.
 	sent       map[string]*reconcile.DesiredMount
 	payloadGen map[string]uint64
-	rereads    *rereads
+	// sentBytes is the size of the payload last sent of each mount.
+	sentBytes map[string]int64
+	rereads   *rereads
 	// settled is set once every mount had a payload or an error.
 	settled bool
 	// confined is set once the worker is confined: before, it delivers
@@ -110,7 +117,7 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 	}
 	w := &worker{
 		registry: registry, send: &sender{enc: privsep.NewEncoder(conn)}, level: new(slog.LevelVar),
-		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{},
+		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{}, sentBytes: map[string]int64{},
 		webhooks: &http.Client{},
 	}
 	w.rereads = &rereads{send: w.send, waiting: map[string][]chan *privsep.Credential{}}
@@ -278,6 +285,7 @@ func (w *worker) publish() error {
 		if dsw[name] == nil {
 			delete(w.sent, name)
 			delete(w.payloadGen, name)
+			delete(w.sentBytes, name)
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(dsw)) {
@@ -288,11 +296,22 @@ func (w *worker) publish() error {
 		w.sent[name] = d
 		st := mountState(name, d)
 		if d.Ready() && w.payloadGen[name] != d.Generation {
-			w.payloadGen[name] = d.Generation
-			if err := w.send.payload(st, d); err != nil {
-				return err
+			if guard, over := w.overBound(name, d); over != nil {
+				// The monitor would refuse it as a breach: say why, and
+				// which guard rail held it back.
+				w.log.Error("cannot send mount payload; keeping last content", "mount", name, "err", over)
+				st.Err = clip(over.Error(), privsep.MaxDetailLen)
+				if err := w.send.queue(&privsep.HeldBack{Mount: name, Guard: guard, Reason: st.Err, Revision: boundRevision(d.Revision)}); err != nil {
+					return err
+				}
+			} else {
+				w.payloadGen[name] = d.Generation
+				w.sentBytes[name] = d.Payload.Size()
+				if err := w.send.payload(st, d); err != nil {
+					return err
+				}
+				continue
 			}
-			continue
 		}
 		if err := w.send.queue(st); err != nil {
 			return err
@@ -312,6 +331,32 @@ func (w *worker) publish() error {
 		go debug.FreeOSMemory()
 	}
 	return nil
+}
+
+// overBound returns why d's payload for mount name cannot be sent, and
+// the guard rail that holds it back, as
+// the monitor would refuse it while it arrives (privsep.Assembler): on
+// tmpfs it does not fit size_limit; or with the payloads last sent of the
+// other mounts it passes max_total_size (privsep.Remote.Budget). nil when
+// it fits.
+func (w *worker) overBound(name string, d *reconcile.DesiredMount) (guard string, _ error) {
+	if d.Spec.Medium == config.MediumTmpfs {
+		if err := (projector.Medium{Tmpfs: true, SizeLimit: d.Spec.SizeLimit}).CheckFits(d.Payload); err != nil {
+			return "size_limit", fmt.Errorf("mount %q: %w", name, err)
+		}
+	}
+	size := d.Payload.Size()
+	total := size
+	for m, n := range w.sentBytes {
+		if m != name {
+			total += n
+		}
+	}
+	if total <= w.cfg.MaxTotalSize {
+		return "", nil
+	}
+	return "max_total_size", fmt.Errorf("mount %q: a payload of %d bytes takes the payloads of every mount together to %d bytes, past max_total_size (%d bytes)",
+		name, size, total, w.cfg.MaxTotalSize)
 }
 
 // mountState returns the report of d, mount name's desired state, within
@@ -445,6 +490,10 @@ type rereads struct {
 	send    *sender
 	mu      sync.Mutex
 	waiting map[string][]chan *privsep.Credential
+	// asked holds the files asked for whose answer has not come: the
+	// monitor takes one request per file in flight, so a read of a file
+	// already asked for waits for that answer.
+	asked map[string]bool
 }
 
 // Read implements config.Files.
@@ -452,10 +501,22 @@ func (r *rereads) Read(name string, limit int64) ([]byte, *unix.Stat_t, error) {
 	ch := make(chan *privsep.Credential, 1)
 	r.mu.Lock()
 	r.waiting[name] = append(r.waiting[name], ch)
+	ask := !r.asked[name]
+	if ask {
+		if r.asked == nil {
+			r.asked = map[string]bool{}
+		}
+		r.asked[name] = true
+	}
 	r.mu.Unlock()
-	if err := r.send.send(&privsep.Reread{Name: name}); err != nil {
-		r.forget(name, ch)
-		return nil, nil, err
+	if ask {
+		if err := r.send.send(&privsep.Reread{Name: name}); err != nil {
+			r.mu.Lock()
+			delete(r.asked, name)
+			r.mu.Unlock()
+			r.forget(name, ch)
+			return nil, nil, err
+		}
 	}
 	select {
 	case c := <-ch:
@@ -484,6 +545,7 @@ func (r *rereads) answer(c *privsep.Credential) {
 	r.mu.Lock()
 	chans := r.waiting[c.Name]
 	delete(r.waiting, c.Name)
+	delete(r.asked, c.Name)
 	r.mu.Unlock()
 	for _, ch := range chans {
 		ch <- c

@@ -22,6 +22,9 @@ type MountLimits struct {
 	MaxValueSize int64
 	MaxSize      int64
 	MaxFiles     int
+	// total is set when MaxSize is what max_total_size leaves, not the
+	// mount's own bound.
+	total bool
 }
 
 // Payload is a payload the monitor assembled from the worker's messages:
@@ -41,6 +44,10 @@ type Payload struct {
 // use.
 type Assembler struct {
 	mounts map[string]MountLimits
+	// budget, when not nil, returns the most bytes a payload of a mount
+	// may hold so that every mount's together stay within max_total_size
+	// (Remote.Budget; -1 for no bound).
+	budget func(mount string) int64
 
 	// The payload being built, nil between payloads.
 	cur *building
@@ -60,9 +67,10 @@ type building struct {
 }
 
 // NewAssembler returns an assembler for the mounts of the configuration,
-// by name.
-func NewAssembler(mounts map[string]MountLimits) *Assembler {
-	return &Assembler{mounts: mounts}
+// by name; budget, when not nil, bounds each payload further by what
+// max_total_size leaves (Remote.Budget).
+func NewAssembler(mounts map[string]MountLimits, budget func(mount string) int64) *Assembler {
+	return &Assembler{mounts: mounts, budget: budget}
 }
 
 // Add takes the worker's next message. It returns the payload that a
@@ -95,6 +103,11 @@ func (a *Assembler) add(m Message) (*Payload, error) {
 		}
 		if limits.MaxFiles > 0 && int64(m.Files) > int64(limits.MaxFiles) {
 			return nil, fmt.Errorf("mount %q: a payload of %d files, more than %w (%d)", m.Mount, m.Files, projector.ErrTooManyFiles, limits.MaxFiles)
+		}
+		if a.budget != nil {
+			if left := a.budget(m.Mount); left >= 0 && (limits.MaxSize == 0 || left < limits.MaxSize) {
+				limits.MaxSize, limits.total = left, true
+			}
 		}
 		a.cur = &building{
 			Payload:  Payload{Mount: m.Mount, Revision: m.Revision, Files: projector.Payload{}},
@@ -177,6 +190,9 @@ func (b *building) addFile(m *File) error {
 		return fmt.Errorf("mount %q: file %q makes %d files and directories, more than %w (%d)", b.Mount, m.Path, entries, projector.ErrTooManyFiles, b.limits.MaxFiles)
 	}
 	size := b.bytes + int64(len(newDirs))*projector.DirectoryCost()
+	if b.limits.total && (m.Size > uint64(b.limits.MaxSize) || size+int64(m.Size) > b.limits.MaxSize) {
+		return fmt.Errorf("mount %q: file %q takes the payloads of every mount past max_total_size (%d bytes left for this one)", b.Mount, m.Path, b.limits.MaxSize)
+	}
 	if b.limits.MaxSize > 0 && (m.Size > uint64(b.limits.MaxSize) || size+int64(m.Size) > b.limits.MaxSize) {
 		return fmt.Errorf("mount %q: file %q takes the payload past %w (%d bytes)", b.Mount, m.Path, projector.ErrMountTooLarge, b.limits.MaxSize)
 	}

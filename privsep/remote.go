@@ -38,6 +38,53 @@ type Remote struct {
 	// generation numbers desired payloads; it only grows.
 	generation uint64
 	dsw        reconcile.DesiredState
+	// maxTotal is max_total_size: the payloads of every mount together
+	// stay within it (Budget).
+	maxTotal int64
+}
+
+// SetMaxTotal sets the bound of every mount's payload together, in bytes
+// (max_total_size); 0 for none.
+func (r *Remote) SetMaxTotal(n int64) {
+	r.mu.Lock()
+	r.maxTotal = n
+	r.mu.Unlock()
+}
+
+// Budget returns the most bytes a new payload of mount may hold: what
+// max_total_size leaves beside the payloads held of the other mounts (the
+// mount's own is replaced); -1 for no bound. The Assembler refuses a
+// payload that passes it while it arrives (Supervisor.Budget).
+func (r *Remote) Budget(mount string) int64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.maxTotal <= 0 {
+		return -1
+	}
+	left := r.maxTotal
+	for name, rm := range r.mounts {
+		if name != mount {
+			left -= rm.payload.Size()
+		}
+	}
+	return max(left, 0)
+}
+
+// WorkerEnded takes the end of the worker that reported (Supervisor's
+// OnEnd): until the next one reports a mount's state, the mount is stale
+// — its content stays, and nothing keeps it current.
+func (r *Remote) WorkerEnded(why error) {
+	r.mu.Lock()
+	for _, rm := range r.mounts {
+		rm.ended = fmt.Errorf("the worker that reads the sources ended (%v); starting it again", why)
+		r.touch(rm)
+	}
+	wake := r.wake
+	r.pending = false
+	r.mu.Unlock()
+	if wake != nil {
+		wake()
+	}
 }
 
 // remoteMount is the Remote's record of one mount.
@@ -52,6 +99,9 @@ type remoteMount struct {
 	payloadNew bool
 	desired    *reconcile.DesiredMount
 	dirty      bool
+	// ended is set when the worker ended, until the next one reports
+	// this mount's state.
+	ended error
 }
 
 // NewRemote returns a Remote with no mounts.
@@ -96,8 +146,9 @@ func (r *Remote) SetMounts(mounts []*config.Mount) error {
 }
 
 // HandlePayload takes a payload the Assembler checked: it becomes its
-// mount's desired payload at the next Populate, owned as the mount's
-// configuration says. A payload of a mount not configured is dropped.
+// mount's desired payload at the next Populate, with the owners and modes
+// the mount's configuration says (config.Mount.FileModes), whatever the
+// worker sent. A payload of a mount not configured is dropped.
 func (r *Remote) HandlePayload(p *Payload) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -106,8 +157,11 @@ func (r *Remote) HandlePayload(p *Payload) {
 		return
 	}
 	uid, gid := reconcile.MountOwner(rm.spec)
+	modeOf := rm.spec.FileModes()
 	for name, f := range p.Files {
-		f.UID, f.GID = uid, gid
+		// Owners and modes are the configuration's: what the worker
+		// said of them is not taken.
+		f.UID, f.GID, f.Mode = uid, gid, modeOf(name)
 		p.Files[name] = f
 	}
 	rm.payload, rm.revision, rm.payloadGen, rm.payloadNew = p.Files, p.Revision, rm.state.Generation, true
@@ -117,14 +171,14 @@ func (r *Remote) HandlePayload(p *Payload) {
 // HandleMessage takes one of the worker's reports: a MountState,
 // State or HeldBack. Reports of mounts and sources the configuration
 // does not have, and held-back payloads of another guard rail than the
-// worker's three, are dropped.
+// worker's five, are dropped.
 func (r *Remote) HandleMessage(m Message) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	switch m := m.(type) {
 	case *MountState:
 		if rm := r.mounts[m.Mount]; rm != nil {
-			rm.state = m
+			rm.state, rm.ended = m, nil
 			r.touch(rm)
 		}
 	case *State:
@@ -138,7 +192,7 @@ func (r *Remote) HandleMessage(m Message) {
 		r.event(ev)
 	case *HeldBack:
 		switch m.Guard {
-		case "max_value_size", "max_mount_size", "max_files":
+		case "max_value_size", "max_mount_size", "max_files", "size_limit", "max_total_size":
 		default:
 			return
 		}
@@ -205,8 +259,19 @@ func (r *Remote) Populate() reconcile.DesiredState {
 	return dsw
 }
 
-// build returns rm's desired mount from the worker's last reports.
+// build returns rm's desired mount from the worker's last reports, stale
+// while no worker reports it.
 func (r *Remote) build(rm *remoteMount) *reconcile.DesiredMount {
+	d := r.buildReported(rm)
+	if rm.ended != nil {
+		d.Stale = append(slices.Clip(d.Stale), rm.ended)
+	}
+	return d
+}
+
+// buildReported returns rm's desired mount from the worker's last
+// reports.
+func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 	prev := rm.desired
 	st := rm.state
 	d := &reconcile.DesiredMount{Spec: rm.spec}
@@ -260,11 +325,12 @@ func (r *Remote) build(rm *remoteMount) *reconcile.DesiredMount {
 }
 
 // Mounts returns the limits of each of mounts, by name, for the
-// Assembler.
+// Assembler: a payload is refused as soon as it passes its mount's
+// effective size (max_mount_size, and a tmpfs's size_limit).
 func Mounts(mounts []*config.Mount) map[string]MountLimits {
 	out := make(map[string]MountLimits, len(mounts))
 	for _, m := range mounts {
-		out[m.Name] = MountLimits{MaxValueSize: m.MaxValueSize, MaxSize: m.MaxMountSize, MaxFiles: m.MaxFiles}
+		out[m.Name] = MountLimits{MaxValueSize: m.MaxValueSize, MaxSize: m.EffectiveMaxSize(), MaxFiles: m.MaxFiles}
 	}
 	return out
 }

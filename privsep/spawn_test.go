@@ -223,8 +223,13 @@ func TestConfinedWorker(t *testing.T) {
 	}
 
 	_, free := runWorker(t, false)
-	for _, name := range []string{"open /etc/passwd", "write under /tmp", "setresuid", "execve", "connect other"} {
-		if got := free.Attempts[name]; got != "" {
+	for _, name := range []string{"open /etc/passwd", "write under /tmp", "setresuid", "execve", "connect other",
+		"fork", "i386 fork", "memfd_create", "udp socket", "unix socket", "listen"} {
+		got, tried := free.Attempts[name]
+		if !tried && name == "i386 fork" {
+			continue // no i386 entry on this architecture
+		}
+		if got != "" {
 			t.Errorf("unconfined, %s: %s; want it to succeed, so that the confined refusal is Confine's", name, got)
 		}
 	}

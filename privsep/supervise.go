@@ -24,11 +24,17 @@ import (
 // socket to the monitor (the first of exec.Cmd.ExtraFiles).
 const WorkerFD = 3
 
-// WorkerConn returns the worker's end of the socket to the monitor.
-func WorkerConn() *os.File { return os.NewFile(WorkerFD, "privsep") }
+// WorkerConn returns the worker's end of the socket to the monitor,
+// close-on-exec: nothing the worker might start holds it.
+func WorkerConn() *os.File {
+	unix.CloseOnExec(WorkerFD)
+	return os.NewFile(WorkerFD, "privsep")
+}
 
-// drainTimeout bounds the reading of what a worker sent before it ended.
-const drainTimeout = time.Second
+// drainTimeout bounds the reading of what a worker sent before it ended,
+// and the wait for its output pipes once it has exited: what holds them
+// after it (a process it left behind) never holds the monitor.
+const drainTimeout = 250 * time.Millisecond
 
 // StopGrace is how long a worker has to exit after SIGTERM before it is
 // killed.
@@ -72,6 +78,18 @@ type Supervisor struct {
 	// yet: one call for the messages of one write, so that their reader
 	// wakes whoever waits for them once, not at each message.
 	OnIdle func()
+	// OnWritten, when set, is called with each message sent to the
+	// worker once it is written to the socket (an answer is out of the
+	// monitor's hands then).
+	OnWritten func(Message)
+	// Budget, when set, bounds each payload by what max_total_size leaves
+	// for its mount (Remote.Budget); a payload that passes it is a
+	// breach of the protocol.
+	Budget func(mount string) int64
+	// OnEnd, when set, is called with why whenever a worker has ended
+	// (and been waited for), before the next one starts: what it reported
+	// is no longer kept current by anyone.
+	OnEnd func(why error)
 	// Log receives the worker's starts, ends and refusals. A refusal's
 	// error quotes what the worker sent (a path, a mount's name): Log's
 	// handler must escape outside text, as the daemon's does
@@ -155,7 +173,11 @@ func (s *Supervisor) ObserveWorker() (Observed, int, error) {
 type link struct {
 	mu    sync.Mutex
 	queue []Message
-	wake  chan struct{}
+	// queued is the bytes queue holds (approximately: sizeOf), bounded by
+	// maxQueued; breach receives the link's breach of a bound.
+	queued, maxQueued int
+	breach            chan error
+	wake              chan struct{}
 	// done is closed, and closed set, when the worker is gone.
 	done   chan struct{}
 	closed bool
@@ -167,17 +189,74 @@ type link struct {
 	pending map[uint32]map[string]MountLimits
 }
 
-// send queues msgs for the worker; it never blocks.
+// send queues msgs for the worker; it never blocks. When the bytes queued
+// would pass the link's bound — the worker reads nothing of what it is
+// sent — nothing is queued and the link is breached.
 func (l *link) send(msgs ...Message) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closed {
 		return
 	}
+	n := 0
+	for _, m := range msgs {
+		n += sizeOf(m)
+	}
+	if l.maxQueued > 0 && l.queued+n > l.maxQueued {
+		l.breached(fmt.Errorf("%w: the worker reads nothing of what the monitor sends it: %d bytes queued, more than %d", ErrRefused, l.queued+n, l.maxQueued))
+		return
+	}
 	l.queue = append(l.queue, msgs...)
+	l.queued += n
 	select {
 	case l.wake <- struct{}{}:
 	default:
+	}
+}
+
+// breached reports the link's first breach; the worker is stopped.
+func (l *link) breached(err error) {
+	select {
+	case l.breach <- err:
+	default:
+	}
+}
+
+// maxQueuedBytes bounds what the monitor queues for a worker beyond its
+// configuration's inputs: answers to its requests and webhooks to
+// deliver, each bounded by the protocol, that it does not read.
+const maxQueuedBytes = 64 << 20
+
+// sizeOf returns about how many bytes m takes queued.
+func sizeOf(m Message) int {
+	const overhead = 64
+	switch m := m.(type) {
+	case *Input:
+		return overhead + len(m.Name) + len(m.Value)
+	case *Credential:
+		return overhead + len(m.Name) + len(m.Value) + len(m.Err)
+	case *Post:
+		n := overhead + len(m.URL) + len(m.Target) + len(m.Body)
+		for _, h := range m.Header {
+			n += len(h)
+		}
+		return n
+	case *Apply:
+		return overhead + len(m.Config)
+	}
+	return overhead
+}
+
+// Breach stops the running worker as one that broke the protocol — what
+// it asked or did is outside what the monitor allows (a request out of
+// its turn, a bound passed) — counted and logged as such; err says what.
+// It never blocks.
+func (s *Supervisor) Breach(err error) {
+	s.mu.Lock()
+	l := s.link
+	s.mu.Unlock()
+	if l != nil {
+		l.breached(fmt.Errorf("%w: %w", ErrRefused, err))
 	}
 }
 
@@ -276,6 +355,9 @@ func (s *Supervisor) Run(ctx context.Context) error {
 	for {
 		began := time.Now()
 		restarted, err := s.runOnce(ctx)
+		if s.OnEnd != nil {
+			s.OnEnd(err)
+		}
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
@@ -328,6 +410,9 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	defer mine.Close()
 	cmd := s.Command()
 	cmd.ExtraFiles = []*os.File{theirs}
+	// Wait returns once the worker has exited, whatever holds its output
+	// pipes (a process it left behind): the monitor never waits on them.
+	cmd.WaitDelay = drainTimeout
 	w, err := Spawn(cmd, s.Identity)
 	theirs.Close()
 	if err != nil {
@@ -339,8 +424,12 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	restart := make(chan struct{})
 	s.mu.Lock()
 	s.seq++
-	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts}
+	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts, breach: make(chan error, 1)}
 	l.queue = configMessages(s.cfg, s.seq)
+	for _, m := range l.queue {
+		l.queued += sizeOf(m)
+	}
+	l.maxQueued = l.queued + maxQueuedBytes
 	l.wake <- struct{}{}
 	s.link, s.restart = l, restart
 	s.worker, s.since = w, time.Now()
@@ -366,7 +455,7 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 
 	read := make(chan error, 1)
 	go func() { read <- s.read(mine, l) }()
-	var why, readErr error
+	var why, readErr, breach error
 	readDone := false
 	stop := func() {
 		_ = w.Process.Signal(syscall.SIGTERM)
@@ -387,10 +476,17 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 		// The stream ended or broke the protocol: this worker is done.
 		readDone = true
 		_ = w.Process.Kill()
+	case breach = <-l.breach:
+		// It broke a bound the monitor keeps: this worker is done.
+		_ = w.Process.Kill()
 	case <-w.Done():
 		// What it sent before it ended is still read, to the stream's end.
 	}
 	werr := w.Wait()
+	if cmd.SysProcAttr != nil && cmd.SysProcAttr.Setpgid {
+		// Whatever the worker left in its process group ends with it.
+		_ = unix.Kill(-w.Process.Pid, unix.SIGKILL)
+	}
 	if !readDone {
 		// A process the worker forked may hold its end open: read what is
 		// left for a moment at most.
@@ -402,6 +498,9 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 		}
 	}
 	mine.Close()
+	if breach != nil {
+		readErr = breach
+	}
 	// Whether it broke the protocol and then ended, or the other way
 	// round, it is refused alike.
 	if errors.Is(readErr, ErrRefused) || errors.Is(readErr, ErrMalformed) || errors.Is(readErr, ErrTruncated) {
@@ -410,6 +509,9 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	}
 	if why == nil {
 		why = readErr
+	}
+	if errors.Is(werr, exec.ErrWaitDelay) {
+		werr = errors.New("it exited, and a process it left behind holds its output (killed with its process group)")
 	}
 	if werr != nil && ctx.Err() == nil && !restarted {
 		why = fmt.Errorf("%w (its messages: %v)", werr, why)
@@ -442,6 +544,16 @@ func (s *Supervisor) write(w io.Writer, l *link) {
 		if err := e.Flush(); err != nil {
 			return
 		}
+		n := 0
+		for _, m := range msgs {
+			n += sizeOf(m)
+			if s.OnWritten != nil {
+				s.OnWritten(m)
+			}
+		}
+		l.mu.Lock()
+		l.queued -= n
+		l.mu.Unlock()
 	}
 }
 
@@ -451,7 +563,7 @@ func (s *Supervisor) write(w io.Writer, l *link) {
 func (s *Supervisor) read(r io.Reader, l *link) error {
 	d := NewDecoder(r, FromWorker)
 	l.mu.Lock()
-	a := NewAssembler(l.mounts)
+	a := NewAssembler(l.mounts, s.Budget)
 	l.mu.Unlock()
 	for {
 		if s.OnIdle != nil && !d.Ready() {

@@ -233,3 +233,33 @@ func TestSupervisorRefusesRoot(t *testing.T) {
 		t.Errorf("Run as root: %v, %d starts", err, s.Starts())
 	}
 }
+
+// TestSupervisorBoundsWhatItQueues: a worker that reads nothing of what
+// the monitor sends it ("linger") is stopped as one that broke the
+// protocol once what is queued for it passes maxQueuedBytes: the monitor's
+// memory follows the bound, not the worker.
+func TestSupervisorBoundsWhatItQueues(t *testing.T) {
+	s := supervised(t, "linger")
+	waitFor(t, "the payload", func() bool { return len(s.revisions()) == 1 })
+	value := make([]byte, 1<<20)
+	for i := 0; i < 2*maxQueuedBytes>>20 && s.Refusals() == 0; i++ {
+		s.Send(&Credential{Name: "/etc/kvmount/token", Value: value})
+	}
+	waitFor(t, "the refusal", func() bool { return s.Refusals() >= 1 })
+	if s.logs.Count("the worker broke the protocol", "the worker reads nothing of what the monitor sends it") < 1 {
+		t.Errorf("the breach is not logged:\n%s", s.logs)
+	}
+}
+
+// TestSupervisorBreach: Breach stops the running worker as one that broke
+// the protocol, counted and logged with its reason.
+func TestSupervisorBreach(t *testing.T) {
+	s := supervised(t, "linger")
+	waitFor(t, "the payload", func() bool { return len(s.revisions()) == 1 })
+	first := s.revisions()[0]
+	s.Breach(errors.New("asked out of its turn"))
+	waitFor(t, "the refusal", func() bool { return s.Refusals() >= 1 && !alive(first) })
+	if s.logs.Count("the worker broke the protocol", "asked out of its turn") < 1 {
+		t.Errorf("the breach is not logged:\n%s", s.logs)
+	}
+}

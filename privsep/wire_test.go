@@ -56,7 +56,7 @@ func payloadFrames(t testing.TB, mount, revision string, files map[string]string
 // returns the payloads completed and the first error.
 func assemble(stream []byte, mounts map[string]MountLimits) ([]*Payload, error) {
 	d := NewDecoder(bytes.NewReader(stream), FromWorker)
-	a := NewAssembler(mounts)
+	a := NewAssembler(mounts, nil)
 	var out []*Payload
 	for {
 		m, err := d.Decode()
@@ -257,7 +257,7 @@ func TestHostileWorker(t *testing.T) {
 // TestAssemblerStartsAfresh: after a refusal, the next payload is taken
 // whole, with nothing of the refused one.
 func TestAssemblerStartsAfresh(t *testing.T) {
-	a := NewAssembler(testMounts)
+	a := NewAssembler(testMounts, nil)
 	if _, err := a.Add(&Begin{Mount: "app", Revision: "1", Files: 2}); err != nil {
 		t.Fatal(err)
 	}

@@ -24,6 +24,7 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/daemon"
+	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/source"
 	"github.com/kvmount/kvmount/source/consul"
 	"github.com/kvmount/kvmount/source/etcd"
@@ -44,6 +45,10 @@ const (
 func main() {
 	// The daemon's worker is this program started again (privsep).
 	daemon.MaybeWorker(registry())
+	if err := privsep.MarkInheritedCloseOnExec(); err != nil {
+		fmt.Fprintln(os.Stderr, "kvmount:", err)
+		os.Exit(exitFailure)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

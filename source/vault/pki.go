@@ -128,6 +128,22 @@ func decodePKI(sec *config.Section) pkiRequest {
 	return r
 }
 
+// DefaultItems implements config.ItemDefaulter: a PKI projection without
+// items projects its four files, the private key 0600 unless the mount
+// writes default_mode — a key readable by every user is a key given away.
+// A path projection has none.
+func (c *Config) DefaultItems(prefix string, m *config.Mount) []config.Item {
+	if _, ok := parsePKIRequest(prefix); !ok {
+		return nil
+	}
+	items := []config.Item{{Key: FileCertificate, Path: FileCertificate}, {Key: FilePrivateKey, Path: FilePrivateKey},
+		{Key: FileIssuingCA, Path: FileIssuingCA}, {Key: FileCAChain, Path: FileCAChain}}
+	if !m.DefaultModeSet {
+		items[1].Mode = 0o600
+	}
+	return items
+}
+
 // minReissue is the shortest time between two issues of one projection,
 // whatever the certificates' validity.
 const minReissue = time.Second

@@ -206,6 +206,9 @@ func (c *Config) DecodeProjection(sec *config.Section, m *config.Mount) string {
 		}
 		out = strings.TrimPrefix(prefix, "/")
 	}
+	if !sec.Has("pki") && m.DefaultMode&0o004 != 0 {
+		sec.Warnf("prefix", "mount %s's files are readable by every user (default_mode %04o), and this projection's are secrets: set default_mode = \"0600\", or \"0640\" with group", m.Name, m.DefaultMode.Perm())
+	}
 	if m.Medium != config.MediumTmpfs {
 		key := "prefix"
 		if sec.Has("pki") {
