@@ -108,6 +108,29 @@ type Owned struct {
 	Marker string
 }
 
+// RecognizeOrReadopt is Recognize, except where Recognize can tell
+// nothing (rule 5: no marker, and the file system renumbered by a remount
+// or reboot, as FUSE's and 9p's are, which keep no f_fsid either): when d
+// is root's and no one but root can replace it at path — no directory on
+// path is exposed (Exposures) — nobody but root could have put it there,
+// and it is taken as kvmount's own: readopted is true, so that the caller
+// says so in its log. Where someone else could have, it is refused as
+// Recognize refuses it.
+func RecognizeOrReadopt(d *os.File, path string, o Owned) (readopted bool, err error) {
+	err = Recognize(d, path, o)
+	if !errors.Is(err, ErrUnrecognized) {
+		return false, err
+	}
+	var st unix.Stat_t
+	if unix.Fstat(int(d.Fd()), &st) != nil || st.Uid != 0 {
+		return false, err
+	}
+	if exposed, xerr := Exposures(path); xerr != nil || len(exposed) > 0 {
+		return false, err
+	}
+	return true, nil
+}
+
 // Recognize returns nil when the open directory d, reached at path, is the
 // directory o records, or when o records nothing. The rules, in order:
 //

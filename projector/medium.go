@@ -142,6 +142,11 @@ type MountDir struct {
 	Owner Owner
 	// Created reports that Prepare created Dir.
 	Created bool
+	// Readopted reports that Dir's file system keeps no marker and was
+	// renumbered, and that Prepare took Dir over because only root could
+	// have put it at its path (fsutil.RecognizeOrReadopt): the caller
+	// says so in its log.
+	Readopted bool
 	// marker is the token being given, "" once a file system keeps none.
 	marker string
 }
@@ -222,9 +227,11 @@ func (m Medium) Prepare(owner Owner, marker string, before func(createDir bool) 
 // identity in md.Owner.
 func (m Medium) takeDir(d *os.File, md *MountDir) error {
 	if !md.Created {
-		if err := fsutil.Recognize(d, m.Dir, md.Owner.dir()); err != nil {
+		readopted, err := fsutil.RecognizeOrReadopt(d, m.Dir, md.Owner.dir())
+		if err != nil {
 			return err
 		}
+		md.Readopted = md.Readopted || readopted
 	}
 	ident, err := fsutil.IdentOf(d)
 	if err != nil {
@@ -265,9 +272,11 @@ func (m Medium) prepareTmpfs(d **os.File, md *MountDir, before func(createDir bo
 	case fsutil.ForeignMount:
 		return fmt.Errorf("%s: %w (%s of source %q); kvmount leaves it alone — unmount it or choose another dir", m.Dir, fsutil.ErrForeignMount, info.FSType, info.Source)
 	case fsutil.OwnTmpfs:
-		if err := fsutil.Recognize(*d, m.Dir, md.Owner.tmpfs()); err != nil {
+		readopted, err := fsutil.RecognizeOrReadopt(*d, m.Dir, md.Owner.tmpfs())
+		if err != nil {
 			return err
 		}
+		md.Readopted = md.Readopted || readopted
 		if err := fsutil.RemountTmpfs(*d, m.tmpfsOptions()); err != nil {
 			return err
 		}

@@ -292,6 +292,10 @@ func (r *Reconciler) open(name string, spec *config.Mount, rt *runtime) error {
 		return fmt.Errorf("mount %q: %w", name, err)
 	}
 	defer md.File.Close()
+	if md.Readopted {
+		r.log.Warn("mount directory taken back: its file system keeps no marker and was renumbered (a remount or reboot), and only root could have put it at its path",
+			"mount", name, "dir", spec.Dir)
+	}
 	rec.Ident, rec.TmpfsIdent, rec.Marker = md.Owner.Dir, md.Owner.Tmpfs, md.Owner.Marker
 	// A tmpfs mount keeps no manifest: the hashes of its files (secrets,
 	// mostly) would reach the disk, where the files never do. Its

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -275,6 +276,11 @@ func TestAdoptWhereNoMarkerIsKept(t *testing.T) {
 	roottest.Require(t)
 	e := newEnv(t)
 	f := newRenumberingFS(t, e.base, "bindfs", "--xattr-none")
+	// Every user may write the file system's root, the mount's parent:
+	// someone else could have put a directory at its path.
+	if err := os.Chmod(filepath.Join(e.base, "under"), 0o777); err != nil {
+		t.Fatal(err)
+	}
 	dir := filepath.Join(f.root, "m")
 	e.writeMountConfig(dir)
 	e.put("/m/a", "1")
@@ -336,4 +342,33 @@ func privateGet(t *testing.T, socket, path string) string {
 		t.Fatal(err)
 	}
 	return string(body)
+}
+
+// TestReadoptWhereOnlyRootCould: the same file system without markers,
+// renumbered, where the mount directory and every ancestor are root's
+// and no one else can write them: nobody but root could have put another
+// directory there, so kvmount takes it back by itself — logged, not
+// refused — and writes arrive, after a clean stop and after SIGKILL.
+func TestReadoptWhereOnlyRootCould(t *testing.T) {
+	roottest.Require(t)
+	e := newEnv(t)
+	f := newRenumberingFS(t, e.base, "bindfs", "--xattr-none")
+	dir := filepath.Join(f.root, "m")
+	e.writeMountConfig(dir)
+	e.put("/m/a", "1")
+	cmd, logs := e.start("run")
+	waitFile(t, filepath.Join(dir, "a"), "1")
+	for i, kill := range []bool{false, true} {
+		stop(t, cmd, kill, logs)
+		f.remount()
+		cmd, logs = e.start("run")
+		e.waitStatus("", logs)
+		v := strconv.Itoa(i + 2)
+		e.put("/m/a", v)
+		waitFile(t, filepath.Join(dir, "a"), v)
+		if logs.Count("mount directory taken back", "mount=m") != 1 || logs.Count("cannot tell") != 0 {
+			t.Errorf("after remount %d: not taken back by itself, or refused:\n%s", i+1, logs)
+		}
+	}
+	stop(t, cmd, false, logs)
 }
