@@ -51,6 +51,8 @@ type harness struct {
 	admin string
 	// workerMode is Options.workerMode: "" for the daemon's worker.
 	workerMode string
+	// resync is the configuration's resync_interval: "1s" when "".
+	resync string
 	logs       *testlog.Buffer
 	reload     chan os.Signal
 	notified   chan string
@@ -105,8 +107,12 @@ func (h *harness) writeConfig(mounts string) {
 	if h.sources != nil {
 		sources = h.sources()
 	}
+	resync := h.resync
+	if resync == "" {
+		resync = "1s"
+	}
 	body := fmt.Sprintf(`state_dir = %q
-resync_interval = "1s"
+resync_interval = %q
 log_level = "debug"
 
 [admin]
@@ -114,7 +120,7 @@ address = %q
 socket = %q
 
 %s
-%s`, h.path("state"), h.admin, h.statusSocket(), sources, mounts)
+%s`, h.path("state"), resync, h.admin, h.statusSocket(), sources, mounts)
 	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
 		h.t.Fatal(err)
 	}

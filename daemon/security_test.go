@@ -126,3 +126,40 @@ func (h *harness) waitMetric(socket, want string) {
 	h.t.Helper()
 	h.waitAdmin(socket, "/metrics", want)
 }
+
+// TestMovedMountDirIsReportedFailed is issue 36's fourteenth finding: the
+// owner of the mount directory's parent renames it away and puts a
+// symlink in its place. With no resync due for an hour, the next change
+// finds it at the switch: the mount is reported failed — the path no
+// longer reaches kvmount's directory —, nothing is written into the
+// directory renamed away nor through the symlink; put back, the mount
+// carries on.
+func TestMovedMountDirIsReportedFailed(t *testing.T) {
+	u := roottest.NewUser(t)
+	h := newHarness(t)
+	h.reachable()
+	h.resync = "1h"
+	app := h.path("srv", "app")
+	if err := os.MkdirAll(app, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	u.Chown(t, app)
+	dir := filepath.Join(app, "conf")
+	intact := victim(t, h.path("victim"))
+	h.put("/conf/app.conf", "v1")
+	h.writeConfig("[[mount]]\nname = \"conf\"\ndir = \"" + dir + "\"\nsource = \"main\"\nprefix = \"/conf/\"\n")
+	h.start()
+	h.waitContent(dir, map[string]string{"app.conf": "v1"})
+
+	u.Run(t, "cd "+app+" && mv conf conf.old && ln -s "+h.path("victim")+" conf")
+	h.put("/conf/app.conf", "v2")
+	h.waitLog("operation failed", "mount=conf", "the path reaches another directory than the one kvmount owns")
+	h.waitAdmin(h.statusSocket(), "/status", `"state": "failed"`)
+	if got, _ := content(filepath.Join(app, "conf.old")); got["app.conf"] != "v1" {
+		t.Errorf("the directory renamed away holds %v; want v1 untouched", got)
+	}
+	intact()
+
+	u.Run(t, "cd "+app+" && rm conf && mv conf.old conf")
+	h.waitContent(dir, map[string]string{"app.conf": "v2"})
+}

@@ -304,11 +304,18 @@ func (w *AtomicWriter) Close() error {
 // Write projects payload into the mount directory (see AtomicWriter for the
 // steps) and returns what changed. Nothing is written when data, modes and
 // owners are unchanged. On error the previous version stays in place and
-// visible; a partly built version directory is removed.
+// visible; a partly built version directory is removed. A mount directory
+// whose path no longer reaches the directory the writer holds — renamed
+// away by the owner of a parent, a symlink put in its place — is not
+// written: Write returns an error wrapping fsutil.ErrReplaced, and the
+// writer is to be closed (Medium.Prepare decides about what is there now).
 func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	payload, err := cleanPayload(payload)
 	if err != nil {
 		return Change{}, err
+	}
+	if err := w.sameDir(); err != nil {
+		return Change{}, fmt.Errorf("atomic writer: %s: %w: %v", w.dir, fsutil.ErrReplaced, err)
 	}
 	if !w.adopted {
 		if _, err := w.Adopt(); err != nil {

@@ -121,6 +121,12 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	if errors.Is(err, syscall.ENOSPC) {
 		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
 	}
+	if errors.Is(err, fsutil.ErrReplaced) {
+		// Its path reaches another directory now: the next attempt opens
+		// it anew, and Prepare decides what to make of what is there.
+		rt.writer.Close()
+		rt.writer = nil
+	}
 	if err != nil {
 		return change, fmt.Errorf("mount %q: %w", name, err)
 	}
