@@ -52,10 +52,10 @@ type harness struct {
 	// workerMode is Options.workerMode: "" for the daemon's worker.
 	workerMode string
 	// resync is the configuration's resync_interval: "1s" when "".
-	resync string
-	logs       *testlog.Buffer
-	reload     chan os.Signal
-	notified   chan string
+	resync   string
+	logs     *testlog.Buffer
+	reload   chan os.Signal
+	notified chan string
 	// statusLines are the STATUS= lines sent to systemd, in order.
 	statusMu    sync.Mutex
 	statusLines []string
