@@ -2,6 +2,8 @@ package config
 
 import (
 	"strings"
+
+	"github.com/kvmount/kvmount/origin"
 )
 
 // ProjectionDecoder is implemented by source settings whose projections
@@ -46,7 +48,11 @@ func warnPlainTCP(sec *Section, m *Mount, cfg *Config) {
 		}
 		if p, ok := src.Settings.(PlainTCP); ok {
 			if eps := p.PlainTCP(); len(eps) > 0 {
-				sec.Warnf(key, "mount %s is root's, and source %s feeds it over plain TCP (%s): a local user who takes that port while the store is down, or before it is up at boot, chooses its content; use TLS with a CA (tls.ca_file), a unix socket, or peer_user", m.Name, pr.Source, strings.Join(eps, ", "))
+				shown := make([]string, len(eps))
+				for i, ep := range eps {
+					shown[i] = origin.Redact(ep) // a query may carry a token
+				}
+				sec.Warnf(key, "mount %s is root's, and source %s feeds it over plain TCP (%s): a local user who takes that port while the store is down, or before it is up at boot, chooses its content; use TLS with a CA (tls.ca_file), a unix socket, or peer_user", m.Name, pr.Source, strings.Join(shown, ", "))
 			}
 		}
 	}

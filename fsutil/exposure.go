@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // Exposure is a directory on a path in which a user other than root can
@@ -85,6 +87,7 @@ func (a *Auditor) Exposures(path string) ([]Exposure, error) {
 		childErr := unix.Lstat(next, &child)
 		if childErr == nil && child.Mode&unix.S_IFMT == unix.S_IFLNK {
 			target, _ := os.Readlink(next)
+			target = untrusted.Escape(target) // chosen by whoever can write the directory
 			return out, fmt.Errorf("%s: %w: %s is a symlink (to %s), and kvmount follows no symlink in a path", path, ErrSymlink, next, target)
 		}
 		exists := childErr == nil

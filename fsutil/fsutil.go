@@ -25,6 +25,8 @@ import (
 	"sync/atomic"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // ErrNotDir is returned for a path that exists but is not a directory — a
@@ -67,6 +69,7 @@ func OpenNoFollow(path string, flags int) (*os.File, error) {
 	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
 		if link := firstSymlink(path); link != "" {
 			target, _ := os.Readlink(link)
+			target = untrusted.Escape(target) // chosen by whoever can write the directory
 			wrapped := ErrSymlink
 			if link == path && flags&unix.O_DIRECTORY != 0 {
 				return nil, fmt.Errorf("%s: %w: %w: it is a symlink (to %s), and kvmount never follows a symlink at a mount directory", path, ErrNotDir, wrapped, target)

@@ -30,6 +30,7 @@ import (
 	"github.com/kvmount/kvmount/source/etcd"
 	httpsource "github.com/kvmount/kvmount/source/http"
 	"github.com/kvmount/kvmount/source/vault"
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // version is set at build time with -ldflags "-X main.version=...".
@@ -129,10 +130,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if err == nil {
 			warnings := len(cfg.Warnings)
 			for _, w := range cfg.Warnings {
-				fmt.Fprintf(stderr, "warning: %v\n", w)
+				fmt.Fprintf(stderr, "warning: %s\n", untrusted.Escape(w.Error()))
 			}
 			for _, w := range daemon.Audit(cfg) {
-				fmt.Fprintf(stderr, "warning: %s\n", w)
+				fmt.Fprintf(stderr, "warning: %s\n", untrusted.Escape(w))
 				warnings++
 			}
 			worker, workerWarnings, werr := daemon.WorkerView(opts.WorkerUser)
@@ -174,7 +175,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		stopWatch()
 	}
 	if err != nil {
-		fmt.Fprintln(stderr, err)
+		fmt.Fprintln(stderr, untrusted.Escape(err.Error()))
 		return exitFailure
 	}
 	return exitOK

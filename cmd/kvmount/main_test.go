@@ -14,6 +14,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/daemon"
 	"github.com/kvmount/kvmount/internal/embedetcd"
@@ -496,5 +497,76 @@ func TestRenderCommand(t *testing.T) {
 	}
 	if _, err := os.Stat(e.dir("app")); !os.IsNotExist(err) {
 		t.Errorf("render touched the mount directory: %v", err)
+	}
+}
+
+// openPTY returns a pseudo-terminal's two ends: what is written to the
+// second reaches the first as a terminal shows it.
+func openPTY(t *testing.T) (master, slave *os.File) {
+	t.Helper()
+	m, err := os.OpenFile("/dev/ptmx", os.O_RDWR|syscall.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	if err := unix.IoctlSetPointerInt(int(m.Fd()), unix.TIOCSPTLCK, 0); err != nil {
+		t.Fatal(err)
+	}
+	n, err := unix.IoctlGetInt(int(m.Fd()), unix.TIOCGPTN)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := os.OpenFile(fmt.Sprintf("/dev/pts/%d", n), os.O_RDWR|syscall.O_NOCTTY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return m, s
+}
+
+// TestOutsideTextNeverReachesATerminalRaw (issue 36, 11): kvmount render
+// -path escapes a store writer's escape sequences on a terminal, and
+// writes the file's bytes as they are when piped; kvmount check escapes a
+// symlink target chosen by whoever can write a parent; the plain-TCP
+// warning shows a URL's query credentials redacted.
+func TestOutsideTextNeverReachesATerminalRaw(t *testing.T) {
+	hostile := "x\x1b]0;PWNED\a\x1b[2Jy"
+	e := newEnv(t)
+	e.put("/app/a", hostile)
+	e.writeConfig("app")
+	m, s := openPTY(t)
+	var errb bytes.Buffer
+	if code := run(context.Background(), []string{"render", "-config", e.config, "-mount", "app", "-path", "a"}, s, &errb); code != 0 {
+		t.Fatalf("render -path = %d: %s", code, errb.String())
+	}
+	s.Close()
+	buf := make([]byte, 4096)
+	n, _ := m.Read(buf)
+	if got := string(buf[:n]); strings.ContainsAny(got, "\x1b\a") || !strings.Contains(got, `x\x1b]0;PWNED\a\x1b[2Jy`) {
+		t.Errorf("render -path on a terminal wrote %q; want the escape sequences escaped", got)
+	}
+	if code, out, _ := runCmd("render", "-config", e.config, "-mount", "app", "-path", "a"); code != 0 || out != hostile {
+		t.Errorf("render -path piped = %d %q; want the file's bytes", code, out)
+	}
+
+	// A parent of a mount directory, a symlink whose target is hostile.
+	parent := filepath.Join(e.base, "links")
+	if err := os.Mkdir(parent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("/x"+hostile, filepath.Join(parent, "to")); err != nil {
+		t.Fatal(err)
+	}
+	cfg := writeFile(t, "esc.toml", fmt.Sprintf("state_dir = %q\n[sources.main]\ntype = \"http\"\nurl = \"http://127.0.0.1:1/app.json?access_token=s3cr3t\"\n[[mount]]\nname = \"m\"\ndir = %q\nsource = \"main\"\nprefix = \"\"\n",
+		filepath.Join(e.base, "state2"), filepath.Join(parent, "to", "m")))
+	_, out, errOut := runCmd("check", "-config", cfg)
+	if strings.ContainsAny(out+errOut, "\x1b\a") {
+		t.Errorf("kvmount check printed the symlink's target raw:\n%q", out+errOut)
+	}
+	if !strings.Contains(out+errOut, `\x1b`) {
+		t.Errorf("kvmount check does not show the symlink's target escaped:\n%s", out+errOut)
+	}
+	if strings.Contains(out+errOut, "s3cr3t") || !strings.Contains(out+errOut, "access_token=redacted") {
+		t.Errorf("kvmount check shows the URL's token, or not the URL redacted:\n%s", out+errOut)
 	}
 }
