@@ -98,8 +98,9 @@ func (n *Notifier) postWebhook(ctx context.Context, e config.Notify, c Change) e
 
 // Deliver POSTs w with client (whose CheckRedirect it replaces); any
 // status but 2xx is an error quoting the start of the response's body.
-// Redirects follow origin.CheckRedirect: the headers never reach another
-// origin, and https never falls back to http.
+// Redirects follow origin.CheckRedirect: within the webhook's origin only,
+// so that its headers never reach another, and https never falls back to
+// http.
 func Deliver(ctx context.Context, client *http.Client, w Webhook) error {
 	ctx, cancel := context.WithTimeout(ctx, w.Timeout)
 	defer cancel()
@@ -108,13 +109,11 @@ func Deliver(ctx context.Context, client *http.Client, w Webhook) error {
 		return fmt.Errorf("webhook: %w", err)
 	}
 	req.Header.Set("Content-Type", "application/json")
-	var names []string
 	for i := 0; i+1 < len(w.Header); i += 2 {
 		req.Header.Set(w.Header[i], w.Header[i+1])
-		names = append(names, w.Header[i])
 	}
 	c := *client
-	c.CheckRedirect = origin.CheckRedirect(names...)
+	c.CheckRedirect = origin.CheckRedirect()
 	resp, err := c.Do(req)
 	if err != nil {
 		return fmt.Errorf("webhook %s: %w", w.Target, errors.Unwrap(err))

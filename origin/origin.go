@@ -6,6 +6,7 @@
 package origin
 
 import (
+	"errors"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -32,27 +33,30 @@ func Of(u *url.URL) string {
 // default policy.
 const MaxRedirects = 10
 
-// CheckRedirect returns an http.Client CheckRedirect policy for requests
-// that carry the headers named (configured headers and header_files, which
-// may hold credentials): they go only to the origin of the first request —
-// the same scheme, host and port — and a redirect elsewhere is followed
-// without them. A redirect from https to http is refused, as it would send
-// the request, and what it reveals, in clear text. net/http itself strips
-// only Authorization, WWW-Authenticate and Cookie, and only on a redirect
-// to another domain.
-func CheckRedirect(headers ...string) func(req *http.Request, via []*http.Request) error {
+// ErrOtherOrigin is wrapped by the error of a request redirected to
+// another origin than the configured one.
+var ErrOtherOrigin = errors.New("redirected to another origin")
+
+// CheckRedirect returns an http.Client CheckRedirect policy for the
+// requests of an HTTP source and of webhooks: a redirect is followed
+// within the origin of the first request only — the same scheme, host and
+// port —, with the configured headers (headers and header_files, which may
+// hold credentials: they never leave the origin). A redirect to another origin is refused with an error
+// wrapping ErrOtherOrigin that names where it led (redacted) and says to
+// configure that URL instead: the worker that sends these requests may
+// reach only the ports its configuration names (Landlock), a redirect
+// elsewhere would fail there anyway, and following one would hand a
+// server's choice of destination what the configuration did not name.
+// (net/http itself strips only Authorization, WWW-Authenticate and
+// Cookie, and only on a redirect to another domain.)
+func CheckRedirect() func(req *http.Request, via []*http.Request) error {
 	return func(req *http.Request, via []*http.Request) error {
 		if len(via) >= MaxRedirects {
 			return fmt.Errorf("stopped after %d redirects", MaxRedirects)
 		}
-		first := via[0].URL
-		if strings.EqualFold(first.Scheme, "https") && !strings.EqualFold(req.URL.Scheme, "https") {
-			return fmt.Errorf("refusing a redirect from https to %s (%s)", req.URL.Scheme, Redact(req.URL.String()))
-		}
-		if Of(req.URL) != Of(first) {
-			for _, name := range headers {
-				req.Header.Del(name)
-			}
+		if first := via[0].URL; Of(req.URL) != Of(first) {
+			return fmt.Errorf("%w: %s leads to %s; kvmount follows a redirect within the configured origin (scheme, host and port) only: configure that URL instead",
+				ErrOtherOrigin, Redact(first.String()), Redact(req.URL.String()))
 		}
 		return nil
 	}

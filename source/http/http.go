@@ -175,14 +175,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 		cfg:  cfg,
 		log:  log,
 	}
-	var credentialHeaders []string
-	for name := range cfg.Headers {
-		credentialHeaders = append(credentialHeaders, name)
-	}
-	for name := range cfg.HeaderFiles {
-		credentialHeaders = append(credentialHeaders, name)
-	}
-	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: origin.CheckRedirect(credentialHeaders...)}
+	s.client = &http.Client{Transport: transport, Timeout: cfg.Timeout, CheckRedirect: origin.CheckRedirect()}
 	s.fanout = source.NewFanout(s.poll)
 	return s, nil
 }
