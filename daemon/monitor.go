@@ -11,6 +11,7 @@ import (
 	"reflect"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -44,7 +45,9 @@ func workerUserName(name string) string {
 }
 
 // workerIdentity returns the worker's user and group: name's, else the
-// first id of the dynamic range that neither a user nor a group holds.
+// first id of the dynamic range that neither a user nor a group holds and
+// no running process has as a user or group id — another process of the
+// worker's uid could read its memory or signal it.
 func workerIdentity(name string) (privsep.Identity, error) {
 	if u, err := user.Lookup(name); err == nil {
 		uid, _ := strconv.Atoi(u.Uid)
@@ -54,8 +57,12 @@ func workerIdentity(name string) (privsep.Identity, error) {
 		}
 		return privsep.Identity{UID: uid, GID: gid}, nil
 	}
+	running := runningIDs()
 	for id := dynamicFirst; id <= dynamicLast; id++ {
 		s := strconv.Itoa(id)
+		if running[id] {
+			continue
+		}
 		if _, err := user.LookupId(s); err == nil {
 			continue
 		}
@@ -372,4 +379,34 @@ func (l *lineLog) Write(p []byte) (int, error) {
 		}
 	}
 	return len(p), nil
+}
+
+// runningIDs returns every user and group id (real, effective, saved,
+// file system) of the processes /proc shows now.
+func runningIDs() map[int]bool {
+	ids := map[int]bool{}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return ids
+	}
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		data, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		if err != nil {
+			continue // gone meanwhile
+		}
+		for _, line := range strings.Split(string(data), "\n") {
+			if !strings.HasPrefix(line, "Uid:") && !strings.HasPrefix(line, "Gid:") {
+				continue
+			}
+			for _, f := range strings.Fields(line)[1:] {
+				if n, err := strconv.Atoi(f); err == nil {
+					ids[n] = true
+				}
+			}
+		}
+	}
+	return ids
 }

@@ -9,6 +9,7 @@ import (
 	"net/http/httptest"
 	"net/netip"
 	"os"
+	"os/exec"
 	"regexp"
 	"slices"
 	"strconv"
@@ -18,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/admin"
+	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
@@ -301,5 +303,29 @@ func TestWebhookFromTheWorker(t *testing.T) {
 	h.waitLog("503 Service Unavailable", `x1b[31m`)
 	if strings.Contains(h.logs.String(), "no\x1b") {
 		t.Error("the webhook's answer is logged raw")
+	}
+}
+
+// TestWorkerUIDIsNobodyElses (issue 36, 9): without its user, the worker
+// runs as a dynamic id that no user, no group and no running process
+// holds — a process of the same uid could read its memory or signal it.
+func TestWorkerUIDIsNobodyElses(t *testing.T) {
+	roottest.Require(t)
+	first, err := workerIdentity("kvmount-test-no-such-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	squatter := exec.Command("/bin/sleep", "30")
+	squatter.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(first.UID), Gid: uint32(first.GID)}}
+	if err := squatter.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { squatter.Process.Kill(); squatter.Wait() }()
+	next, err := workerIdentity("kvmount-test-no-such-user")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if next.UID == first.UID || next.GID == first.GID {
+		t.Errorf("the worker's id %+v is the running process's (%d)", next, first.UID)
 	}
 }
