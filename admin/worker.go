@@ -36,6 +36,9 @@ type WorkerStatus struct {
 	// Warnings say what the worker runs without: Landlock or seccomp the
 	// kernel lacks, and anything the kernel shows that should not be.
 	Warnings []string `json:"warnings,omitempty"`
+	// InForce says, a line each, what confines the worker on this kernel
+	// (privsep.InForce).
+	InForce []string `json:"in_force,omitempty"`
 }
 
 // workerCollector exports Options.Worker as metrics, read at each scrape.

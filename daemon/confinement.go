@@ -7,6 +7,7 @@ import (
 	"strconv"
 
 	"github.com/kvmount/kvmount/admin"
+	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/privsep"
 )
 
@@ -27,11 +28,13 @@ func confinementWarnings(c privsep.Confinement) []string {
 	return out
 }
 
-// WorkerView says how the unprivileged worker that reads the sources runs
-// on this host — as which user, confined how — for kvmount check, and what
-// the kernel lets it run without, as warnings. workerUser is Options.WorkerUser ("" for
-// WorkerUser). It returns an error when no user can be found for it.
-func WorkerView(workerUser string) (view string, warnings []string, err error) {
+// WorkerView says how the unprivileged worker that reads cfg's sources
+// runs on this host — as which user, confined how, line by line what is
+// in force on this kernel (privsep.InForce) — for kvmount check, and what
+// the kernel lets it run without, as warnings. workerUser is
+// Options.WorkerUser ("" for WorkerUser). It returns an error when no user
+// can be found for it.
+func WorkerView(cfg *config.Config, workerUser string) (view string, warnings []string, err error) {
 	workerUser = workerUserName(workerUser)
 	id, err := workerIdentity(workerUser)
 	if err != nil {
@@ -52,6 +55,11 @@ func WorkerView(workerUser string) (view string, warnings []string, err error) {
 		seccomp = "a seccomp filter"
 	}
 	view = fmt.Sprintf("worker: the sources are read by an unprivileged worker, as %s, with no capability, no_new_privs, %s and %s", who, landlock, seccomp)
+	if p, err := privsep.PolicyFor(cfg); err == nil {
+		for _, line := range privsep.InForce(c, p) {
+			view += "\n  " + line
+		}
+	}
 	return view, append(warnings, confinementWarnings(c)...), nil
 }
 
@@ -65,6 +73,7 @@ func (m *monitor) workerStatus() *admin.WorkerStatus {
 		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd,
 		LandlockABI: m.offered.LandlockABI,
 		Warnings:    confinementWarnings(m.offered),
+		InForce:     privsep.InForce(m.offered, *m.policy.Load()),
 	}
 	if st.PID == 0 {
 		return w

@@ -100,7 +100,10 @@ func (m *monitor) workerCommand() *exec.Cmd {
 // the desired state the worker's reports build, and the credential files
 // the worker may ask it for.
 type monitor struct {
-	log     *slog.Logger
+	log *slog.Logger
+	// policy is the worker's confinement policy of the running
+	// configuration, for /status.
+	policy  atomic.Pointer[privsep.Policy]
 	super   *privsep.Supervisor
 	remote  *privsep.Remote
 	rereads atomic.Pointer[[]string]
@@ -146,6 +149,8 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	}
 	m.remote.SetMaxTotal(cfg.MaxTotalSize)
 	m.setRereads(cfg)
+	policy, _ := privsep.PolicyFor(cfg)
+	m.policy.Store(&policy)
 	if err := m.super.Configure(context.Background(), configuration(cfg, rec), false); err != nil {
 		return nil, err
 	}
@@ -334,6 +339,7 @@ func (m *monitor) reconfigure(ctx context.Context, old, cfg *config.Config, rec 
 		return err
 	}
 	m.setRereads(cfg)
+	m.policy.Store(&newPolicy)
 	m.remote.SetMaxTotal(cfg.MaxTotalSize)
 	if restart {
 		m.log.Info("the configuration reaches other stores: the worker starts again with them")

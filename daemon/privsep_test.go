@@ -65,6 +65,9 @@ func TestWorkerHoldsNoPrivilege(t *testing.T) {
 		w.Capabilities || w.LandlockABI < 4 || len(w.Warnings) != 0 {
 		t.Errorf("/status worker: %+v; want the running worker %d, confined", w, n)
 	}
+	if len(w.InForce) != 3 || !strings.Contains(w.InForce[0], "seccomp: an allowlist") || !strings.Contains(w.InForce[1], "Landlock ABI") {
+		t.Errorf("/status says not what is in force: %q", w.InForce)
+	}
 	h.waitMetric(h.statusSocket(), "kvmount_worker_up 1")
 	for _, want := range []string{"kvmount_worker_starts_total 1", "kvmount_worker_refusals_total 0", "kvmount_worker_seccomp 1",
 		"kvmount_worker_landlock_abi " + strconv.Itoa(w.LandlockABI)} {

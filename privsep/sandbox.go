@@ -1,7 +1,9 @@
 package privsep
 
 import (
+	"fmt"
 	"runtime"
+	"strings"
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"github.com/elastic/go-seccomp-bpf/arch"
@@ -144,3 +146,50 @@ func conditionalSyscalls(p Policy) []seccomp.NameWithConditions {
 // is part of the exit signal.)
 const namespaceFlags = unix.CLONE_NEWNS | unix.CLONE_NEWCGROUP | unix.CLONE_NEWUTS | unix.CLONE_NEWIPC |
 	unix.CLONE_NEWUSER | unix.CLONE_NEWPID | unix.CLONE_NEWNET
+
+// InForce says, a line each, what confines a worker of policy p on a
+// kernel that offers c (Offered): its seccomp allowlist, its Landlock
+// rules by the ABI's reach, and the bounds Harden sets — for kvmount
+// check, /status and the log, so that an operator reads what holds on
+// this host, not what the code could do on another.
+func InForce(c Confinement, p Policy) []string {
+	var out []string
+	if c.Seccomp {
+		f, err := filterFor(p)
+		n := 0
+		if err == nil {
+			n = len(f.Policy.Syscalls[0].Names)
+		}
+		var sockets []string
+		if len(p.ConnectTCP) > 0 {
+			sockets = append(sockets, "TCP (IPv4, IPv6; no MPTCP)")
+		}
+		if len(p.SendUDP) > 0 {
+			sockets = append(sockets, "UDP (for DNS)")
+		}
+		if len(p.UnixSockets) > 0 {
+			sockets = append(sockets, "unix stream")
+		}
+		if len(sockets) == 0 {
+			sockets = append(sockets, "none")
+		}
+		out = append(out, fmt.Sprintf("seccomp: an allowlist of %d system calls of %s and a few with checked arguments; every other, and every other architecture's (the i386 entry), refused; threads only (no fork, exec or memfd); sockets: %s; no bind, listen or accept",
+			n, runtime.GOARCH, strings.Join(sockets, ", ")))
+	} else {
+		out = append(out, "seccomp: none (the kernel has no seccomp filters)")
+	}
+	switch {
+	case c.LandlockABI == 0:
+		out = append(out, "Landlock: none (the kernel offers none): the worker reads what its user may, and connects anywhere")
+	default:
+		line := fmt.Sprintf("Landlock ABI %d: reads only the resolver's files and the CA certificates, writes nothing", c.LandlockABI)
+		if c.LandlockABI >= 4 {
+			line += fmt.Sprintf("; connects over TCP only to ports %v", p.ConnectTCP)
+		}
+		if c.LandlockABI >= 6 {
+			line += "; signals and abstract unix sockets only within the worker"
+		}
+		out = append(out, line)
+	}
+	return append(out, fmt.Sprintf("process: no capability, no_new_privs, not dumpable, no core dumps, at most %d tasks of its user, inherited descriptors closed, ended with its process group", MaxWorkerTasks))
+}

@@ -89,6 +89,12 @@ prefix = "/apps/app/"
 		!regexp.MustCompile(`no capability, no_new_privs, Landlock ABI [1-9][0-9]* and a seccomp filter`).MatchString(out) {
 		t.Errorf("check says nothing of the worker's confinement:\n%s", out)
 	}
+	for _, line := range []string{"seccomp: an allowlist of", "every other architecture's (the i386 entry), refused", "sockets: TCP (IPv4, IPv6; no MPTCP)",
+		"connects over TCP only to ports [2379]", "signals and abstract unix sockets only within the worker", "not dumpable"} {
+		if !strings.Contains(out, line) {
+			t.Errorf("check does not say what is in force on this kernel (%q):\n%s", line, out)
+		}
+	}
 
 	warned := writeFile(t, "warn.toml", `
 [sources.main]
