@@ -47,8 +47,9 @@ demo: ## project keys of an in-process etcd into a directory, change them, show 
 	$(GO) run ./examples/demo
 
 bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
-	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -skip '^(BenchmarkFleet|BenchmarkReplacedGrace|BenchmarkVault.*)$$' -benchmem -benchtime 1000x -count 1 ./daemon
+	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench . -skip '^(BenchmarkFleet|BenchmarkReplacedGrace|BenchmarkVault.*|BenchmarkWorkersPerDomain)$$' -benchmem -benchtime 1000x -count 1 ./daemon
 	$(GO) test -run '^$$' -bench '^BenchmarkReplacedGrace$$' -benchtime 5x -count 1 ./daemon
+	$(GO) test -run '^$$' -bench '^BenchmarkWorkersPerDomain$$' -benchtime 3x -count 2 -timeout 20m ./daemon
 	@vault=$$(scripts/vault-server.sh) && ct=$$(scripts/consul-template.sh) && KVMOUNT_VAULT=$$vault KVMOUNT_CONSUL_TEMPLATE=$$ct $(GO) test -run '^$$' -bench '^BenchmarkVault' -benchtime 20x -count 1 -timeout 20m ./daemon
 	@vault=$$(scripts/vault-server.sh) && bin=$$(scripts/consul-agent.sh) && KVMOUNT_VAULT=$$vault KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench '^Benchmark(VaultRequests|ConsulProbe|ConsulModes)$$' -benchtime 1x -count 1 -timeout 30m ./topology
 	$(GO) test -run '^$$' -bench . -benchmem -benchtime 200x -count 1 ./projector

@@ -46,10 +46,11 @@ type Options struct {
 	// endpoint only (kvmount adopt): it takes the directory the mount's
 	// path reaches for the mount's own (reconcile.Reconciler.Adopt).
 	Adopt func(ctx context.Context, mount string) error
-	// Worker, when set, returns the unprivileged worker's state, for
-	// /status and the kvmount_worker_* metrics; nil while none is known.
-	// It is called at each request and scrape, and must not block.
-	Worker func() *WorkerStatus
+	// Workers, when set, returns the state of the unprivileged workers,
+	// one per trust domain, for /status and the kvmount_worker_* metrics
+	// (labelled by domain). It is called at each request and scrape, and
+	// must not block.
+	Workers func() []*WorkerStatus
 }
 
 // Server holds what kvmount knows of its mounts and sources and serves it.
@@ -83,9 +84,10 @@ type Status struct {
 	Sources map[string]*SourceStatus `json:"sources"`
 	// Endpoints are the admin endpoints, sorted by address.
 	Endpoints []*EndpointStatus `json:"endpoints"`
-	// Worker is the unprivileged worker that reads the sources; nil when
-	// kvmount runs them in its own process.
-	Worker *WorkerStatus `json:"worker,omitempty"`
+	// Workers are the unprivileged workers that read the sources, one per
+	// trust domain, by domain name; none when kvmount reads them in its
+	// own process.
+	Workers []*WorkerStatus `json:"workers,omitempty"`
 	// brief are Reasons without the errors' text, for the public
 	// /readyz.
 	brief []string
@@ -160,8 +162,8 @@ func New(opts Options) *Server {
 	}
 	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{},
 		endpointState: map[string]*EndpointStatus{}, endpoints: map[string]*endpoint{}}
-	if opts.Worker != nil {
-		reg.MustRegister(newWorkerCollector(opts.Worker))
+	if opts.Workers != nil {
+		reg.MustRegister(newWorkerCollector(opts.Workers))
 	}
 	return s
 }
@@ -303,13 +305,13 @@ func notifyError(m *MountStatus) string {
 
 // Status returns a copy of what /status serves.
 func (s *Server) Status() Status {
-	var worker *WorkerStatus
-	if s.opts.Worker != nil {
-		worker = s.opts.Worker()
+	var workers []*WorkerStatus
+	if s.opts.Workers != nil {
+		workers = s.opts.Workers()
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0, Worker: worker}
+	st := Status{Mounts: map[string]*MountStatus{}, Sources: map[string]*SourceStatus{}, Ready: s.passes > 0, Workers: workers}
 	if s.passes == 0 {
 		st.Reasons = append(st.Reasons, "the reconciler has not made its first pass")
 		st.brief = st.Reasons

@@ -6,11 +6,16 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// WorkerStatus is the unprivileged worker's entry in /status (SECURITY.md,
+// WorkerStatus is an unprivileged worker's entry in /status (SECURITY.md,
 // "Privilege separation"): the monitor's view of it, and how the kernel
 // confines it as /proc/PID/status shows — never what the worker says of
 // itself.
 type WorkerStatus struct {
+	// Domain names the trust domain it serves (privsep.Domain): the
+	// sources it reads, and the mounts that use them.
+	Domain  string   `json:"domain"`
+	Sources []string `json:"sources"`
+	Mounts  []string `json:"mounts"`
 	// Running is true while a worker runs; between a worker's end and the
 	// next start (with backoff) it is false and the mounts keep their
 	// content.
@@ -41,22 +46,24 @@ type WorkerStatus struct {
 	InForce []string `json:"in_force,omitempty"`
 }
 
-// workerCollector exports Options.Worker as metrics, read at each scrape.
+// workerCollector exports Options.Workers as metrics, read at each
+// scrape, a series per domain.
 type workerCollector struct {
-	worker                         func() *WorkerStatus
+	workers                        func() []*WorkerStatus
 	up, starts, refusals, landlock *prometheus.Desc
 	seccomp                        *prometheus.Desc
 }
 
-func newWorkerCollector(worker func() *WorkerStatus) *workerCollector {
+func newWorkerCollector(workers func() []*WorkerStatus) *workerCollector {
+	domain := []string{"domain"}
 	return &workerCollector{
-		worker: worker,
-		up:     prometheus.NewDesc("kvmount_worker_up", "1 while the unprivileged worker runs, else 0 (it is started again with backoff; the mounts keep their content).", nil, nil),
-		starts: prometheus.NewDesc("kvmount_worker_starts_total", "Workers started: the first, and one after each end.", nil, nil),
+		workers: workers,
+		up:      prometheus.NewDesc("kvmount_worker_up", "1 while the unprivileged worker of the trust domain runs, else 0 (it is started again with backoff; the mounts keep their content).", domain, nil),
+		starts:  prometheus.NewDesc("kvmount_worker_starts_total", "Workers of the trust domain started: the first, and one after each end.", domain, nil),
 		refusals: prometheus.NewDesc("kvmount_worker_refusals_total",
-			"Workers stopped for breaking the protocol or a guard rail (a path out of its mount, a payload over a limit, a malformed frame).", nil, nil),
-		landlock: prometheus.NewDesc("kvmount_worker_landlock_abi", "The Landlock ABI the kernel offers the worker; 0 when it has none.", nil, nil),
-		seccomp:  prometheus.NewDesc("kvmount_worker_seccomp", "1 when the running worker has a seccomp filter (/proc/PID/status Seccomp: 2), else 0.", nil, nil),
+			"Workers stopped for breaking the protocol or a guard rail (a path out of its mount, a payload over a limit, a malformed frame).", domain, nil),
+		landlock: prometheus.NewDesc("kvmount_worker_landlock_abi", "The Landlock ABI the kernel offers the worker; 0 when it has none.", domain, nil),
+		seccomp:  prometheus.NewDesc("kvmount_worker_seccomp", "1 when the running worker has a seccomp filter (/proc/PID/status Seccomp: 2), else 0.", domain, nil),
 	}
 }
 
@@ -69,15 +76,13 @@ func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
 
 // Collect implements prometheus.Collector.
 func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
-	w := c.worker()
-	if w == nil {
-		return
+	for _, w := range c.workers() {
+		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, boolValue(w.Running), w.Domain)
+		ch <- prometheus.MustNewConstMetric(c.starts, prometheus.CounterValue, float64(w.Starts), w.Domain)
+		ch <- prometheus.MustNewConstMetric(c.refusals, prometheus.CounterValue, float64(w.Refusals), w.Domain)
+		ch <- prometheus.MustNewConstMetric(c.landlock, prometheus.GaugeValue, float64(w.LandlockABI), w.Domain)
+		ch <- prometheus.MustNewConstMetric(c.seccomp, prometheus.GaugeValue, boolValue(w.Running && w.Seccomp), w.Domain)
 	}
-	ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, boolValue(w.Running))
-	ch <- prometheus.MustNewConstMetric(c.starts, prometheus.CounterValue, float64(w.Starts))
-	ch <- prometheus.MustNewConstMetric(c.refusals, prometheus.CounterValue, float64(w.Refusals))
-	ch <- prometheus.MustNewConstMetric(c.landlock, prometheus.GaugeValue, float64(w.LandlockABI))
-	ch <- prometheus.MustNewConstMetric(c.seccomp, prometheus.GaugeValue, boolValue(w.Running && w.Seccomp))
 }
 
 func boolValue(b bool) float64 {

@@ -209,11 +209,11 @@ var (
 func TestMain(m *testing.M) {
 	// The daemon starts this binary again as its worker, or as
 	// TestHostileWorker's.
-	switch os.Getenv(WorkerEnv) {
+	switch mode := strings.SplitN(os.Getenv(WorkerEnv), ":", 3); mode[0] {
 	case hostileMode:
 		hostileWorker()
 	case compromisedMode:
-		compromisedWorker()
+		compromisedWorker(mode[1], mode[2])
 	}
 	MaybeWorker(testRegistry())
 	code := m.Run()

@@ -17,18 +17,16 @@ import (
 	"github.com/kvmount/kvmount/privsep"
 )
 
-// compromisedMode is the WorkerEnv value that starts compromisedWorker.
+// compromisedMode is the WorkerEnv value that starts compromisedWorker,
+// followed by ":", the attack it makes, ":" and the credential file of
+// the domain "v" (which the worker of "main" is not given).
 const compromisedMode = "compromised"
 
-// attackLine names, in a configuration, the attack compromisedWorker makes
-// ("# attack: NAME").
-var attackLine = regexp.MustCompile(`(?m)^# attack: (\S+)$`)
-
-// compromisedAttacks are what a compromised worker does to the monitor,
-// by name (issue 36): each runs after a good payload of "v1" for the mount
-// "app", on the worker's encoder and raw socket; a worker that returns
-// from one exits. tokenFile is the credential file the configuration
-// names.
+// compromisedAttacks are what a compromised worker of the domain "main"
+// does to the monitor, by name (issue 36): each runs after a good payload
+// of "v1" for the mount "app", on the worker's encoder and raw socket; a
+// worker that returns from one exits. tokenFile is the credential file
+// of the configuration's other domain, "v".
 var compromisedAttacks = map[string]func(e *privsep.Encoder, raw io.Writer, tokenFile string){
 	// A mode of its choosing for a mount whose default_mode is 0400.
 	"mode": func(e *privsep.Encoder, _ io.Writer, _ string) {
@@ -50,19 +48,9 @@ var compromisedAttacks = map[string]func(e *privsep.Encoder, raw io.Writer, toke
 		}
 		e.Encode(&privsep.Commit{})
 	},
-	// The credential file asked for again and again, the answers unread.
-	"credential_flood": func(e *privsep.Encoder, _ io.Writer, tokenFile string) {
-		for range 1000 {
-			if e.Encode(&privsep.Reread{Name: tokenFile}) != nil {
-				return
-			}
-		}
-		e.Flush()
-		time.Sleep(5 * time.Second)
-	},
-	// A file the configuration does not name.
-	"unknown_file": func(e *privsep.Encoder, _ io.Writer, _ string) {
-		e.Encode(&privsep.Reread{Name: "/etc/shadow"})
+	// The credential file of the other domain.
+	"foreign_file": func(e *privsep.Encoder, _ io.Writer, tokenFile string) {
+		e.Encode(&privsep.Reread{Name: tokenFile})
 		e.Flush()
 		time.Sleep(5 * time.Second)
 	},
@@ -96,15 +84,43 @@ var compromisedAttacks = map[string]func(e *privsep.Encoder, raw io.Writer, toke
 	},
 }
 
-// compromisedWorker is the fake worker of TestCompromisedWorker: it takes
-// its configuration and says it applied it; the first one started then
-// sends a good payload of "v1" for the mount "app" and makes the attack
-// its configuration names (attackLine); the next ones send "v2" and wait.
-func compromisedWorker() {
+// vaultAttacks are what a compromised worker of the domain "v", whose
+// source reads tokenFile, does to the monitor, by name.
+var vaultAttacks = map[string]func(e *privsep.Encoder, tokenFile string){
+	// Its credential file asked for again and again, the answers unread.
+	"credential_flood": func(e *privsep.Encoder, tokenFile string) {
+		for range 1000 {
+			if e.Encode(&privsep.Reread{Name: tokenFile}) != nil {
+				return
+			}
+		}
+	},
+	// A file the configuration does not name.
+	"unknown_file": func(e *privsep.Encoder, _ string) {
+		e.Encode(&privsep.Reread{Name: "/etc/shadow"})
+	},
+	// A payload for a mount of the other domain, which it does not serve.
+	"foreign_payload": func(e *privsep.Encoder, _ string) {
+		e.Encode(&privsep.MountState{Mount: "app", Generation: 9, Revision: "v@evil"})
+		e.Encode(&privsep.Begin{Mount: "app", Revision: "v@evil", Files: 1})
+		e.EncodeFile("app.conf", 0o644, []byte("evil"))
+		e.Encode(&privsep.Commit{})
+	},
+}
+
+// compromisedWorker is the fake worker of TestCompromisedWorker, making
+// attack: it takes its configuration, says it applied it and logs the
+// names of the files it was given. The first worker of the domain "main"
+// then sends a good payload of "v1" for the mount "app" and makes the
+// attack, if it is one of compromisedAttacks; the next ones send "v2" and
+// wait. The first worker of the domain "v" makes the attack, if it is one
+// of vaultAttacks; the others wait.
+func compromisedWorker(attack, tokenFile string) {
 	conn := privsep.WorkerConn()
 	d := privsep.NewDecoder(conn, privsep.FromMonitor)
 	var seq uint32
 	var text string
+	var given []string
 	for seq == 0 {
 		m, err := d.Decode()
 		if err != nil {
@@ -112,6 +128,7 @@ func compromisedWorker() {
 		}
 		switch m := m.(type) {
 		case *privsep.Input:
+			given = append(given, m.Name)
 			if strings.HasSuffix(m.Name, "kvmount.toml") {
 				text = string(m.Value)
 			}
@@ -121,6 +138,17 @@ func compromisedWorker() {
 	}
 	e := privsep.NewEncoder(conn)
 	e.Encode(&privsep.Applied{Seq: seq})
+	e.Encode(&privsep.Log{Level: 0, Message: "given", Attrs: []string{"inputs", strings.Join(given, " ")}})
+	e.Flush()
+	token := regexp.MustCompile(`token_file = "([^"]+)"`).FindStringSubmatch(text)
+	if os.Args[len(os.Args)-1] == "v" {
+		if attack := vaultAttacks[attack]; attack != nil && seq == 1 && token != nil {
+			attack(e, token[1])
+			e.Flush()
+		}
+		io.Copy(io.Discard, conn)
+		os.Exit(0)
+	}
 	good := func(content string) {
 		e.Encode(&privsep.MountState{Mount: "app", Generation: 1, Revision: "main@" + content})
 		e.Encode(&privsep.Begin{Mount: "app", Revision: "main@" + content, Files: 1})
@@ -128,61 +156,58 @@ func compromisedWorker() {
 		e.Encode(&privsep.Commit{})
 		e.Flush()
 	}
-	name := attackLine.FindStringSubmatch(text)
 	if seq > 1 {
-		if name != nil && name[1] == "orphan" {
+		if attack == "orphan" {
 			time.Sleep(2 * time.Second) // the test reads /status meanwhile
 		}
 		good("v2")
 		io.Copy(io.Discard, conn)
 		os.Exit(0)
 	}
-	if name == nil || name[1] != "mode" {
+	if attack != "mode" {
 		good("v1")
 	}
-	token := regexp.MustCompile(`token_file = "([^"]+)"`).FindStringSubmatch(text)
-	if name != nil && token != nil && compromisedAttacks[name[1]] != nil {
-		compromisedAttacks[name[1]](e, conn, token[1])
+	if compromisedAttacks[attack] == nil {
+		io.Copy(io.Discard, conn)
+		os.Exit(0)
 	}
+	compromisedAttacks[attack](e, conn, tokenFile)
 	os.Exit(0)
 }
 
 // TestCompromisedWorker is issue 36's compromised worker, against a whole
-// daemon: a worker that sends what an attacker with code execution in it
-// would — a mode of its own, a payload far past its mount's size, a
-// credential asked for a thousand times without reading the answers, a
-// file the configuration does not name, a flood of log lines, attributes that stand for
-// the monitor's, a child left holding its output — finds the monitor
-// deciding everything itself: modes from the configuration, the payload
-// refused as soon as it passes the mount's size (at its second file), the
-// second request for a credential and a request for any other file
-// refused and the worker stopped, its log lines paced with a count of what was
-// dropped and its attributes in a group of their own, its end noticed
+// daemon whose configuration has two trust domains: "main" (an etcd
+// source and the mount "app") and "v" (a Vault source, its token file).
+// A worker that sends what an attacker with code execution in it would —
+// a mode of its own, a payload far past its mount's size, a credential
+// asked for a thousand times without reading the answers, a file the
+// configuration does not name, the other domain's credential file, a
+// payload for the other domain's mount, a flood of log lines, attributes
+// that stand for the monitor's, a child left holding its output — finds
+// the monitor deciding everything itself: modes from the configuration,
+// the payload refused as soon as it passes the mount's size (at its
+// second file), the second request for a credential and a request for
+// any other file refused and the worker stopped, a mount taken from the
+// worker of its domain alone, its log lines paced with a count of what
+// was dropped and its attributes in a group of their own, its end noticed
 // within a second whatever it left behind, the mount reported stale until
-// the next worker reports it. The mount keeps its content throughout, and
-// the next worker's payload is projected.
+// the next worker reports it. Each worker is given its domain's files
+// alone; a breach stops only the worker that made it. The mount keeps its
+// content throughout, and the next worker's payload is projected.
 func TestCompromisedWorker(t *testing.T) {
-	for _, attack := range []string{"mode", "oversized", "credential_flood", "unknown_file", "log_flood", "shadow", "orphan"} {
+	for _, attack := range []string{"mode", "oversized", "credential_flood", "unknown_file", "foreign_file", "foreign_payload", "log_flood", "shadow", "orphan"} {
 		t.Run(attack, func(t *testing.T) {
 			h := newHarness(t)
 			token := h.path("vault-token")
 			if err := os.WriteFile(token, []byte("t\n"), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			orphan := h.path("orphan.pid")
-			t.Setenv("KVMOUNT_TEST_ORPHAN", orphan)
-			t.Cleanup(func() {
-				if b, err := os.ReadFile(orphan); err == nil {
-					pid, _ := strconv.Atoi(string(b))
-					syscall.Kill(pid, syscall.SIGKILL)
-				}
-			})
 			h.sources = func() string {
-				return fmt.Sprintf("# attack: %s\n[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n[sources.v]\ntype = \"vault\"\naddress = \"http://127.0.0.1:1\"\ntoken_file = %q\n",
-					attack, h.endpoint, token)
+				return fmt.Sprintf("[sources.main]\ntype = \"etcd\"\nendpoints = [%q]\n[sources.v]\ntype = \"vault\"\naddress = \"http://127.0.0.1:1\"\ntoken_file = %q\n",
+					h.endpoint, token)
 			}
 			h.writeConfig(h.mount("app", "/apps/app/", `medium = "tmpfs"`, `size_limit = "1MiB"`, `default_mode = "0400"`))
-			h.workerMode = compromisedMode
+			h.workerMode = compromisedMode + ":" + attack + ":" + token
 			dir := h.path("mnt", "app")
 			t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
 			h.start()
@@ -190,19 +215,34 @@ func TestCompromisedWorker(t *testing.T) {
 				h.waitContent(dir, map[string]string{"app.conf": "v1"})
 				checkMode(t, dir, 0o400)
 			}
+			// Each worker was given its domain's files: the token file
+			// reached the worker of "v" alone.
+			h.waitLog("msg=given", "domain=v", token)
+			h.waitLog("msg=given", "domain=main")
+			if n := h.logs.Count("msg=given", "domain=main", token); n != 0 {
+				t.Errorf("the worker of main was given v's token file:\n%s", h.logs)
+			}
+			breach := func(domain, why string) {
+				t.Helper()
+				h.waitLog("the worker broke the protocol", "domain="+domain, why)
+			}
 			switch attack {
 			case "mode":
 				h.waitContent(dir, map[string]string{"app.conf": "mode"})
 				checkMode(t, dir, 0o400)
 			case "oversized":
-				h.waitLog("the worker broke the protocol", `file \"f1\" takes the payload past max_mount_size (1048576 bytes)`)
+				breach("main", `file \"f1\" takes the payload past max_mount_size (1048576 bytes)`)
 			case "credential_flood":
-				h.waitLog("the worker broke the protocol", "asked for "+token+" again before the answer to its last request was sent")
+				breach("v", "asked for "+token+" again before the answer to its last request was sent")
 			case "unknown_file":
-				h.waitLog("the worker broke the protocol", "the worker asked for /etc/shadow, which the configuration does not name")
+				breach("v", "the worker asked for /etc/shadow, which the configuration of its domain does not name")
+			case "foreign_file":
+				breach("main", "the worker asked for "+token+", which the configuration of its domain does not name")
+			case "foreign_payload":
+				breach("v", `the worker of domain v reported mount \"app\", which is not of its domain`)
 			case "log_flood":
 				h.waitLog("dropped log lines of the worker")
-				if n := h.logs.Count("msg=flood", "from=worker"); n > relayBurst+int(relayRate)*10 || n == 200_000 {
+				if n := h.logs.Count("msg=flood", "from=worker"); n > privsep.RelayBurst+int(privsep.RelayRate)*10 || n == 200_000 {
 					t.Errorf("%d of 200000 flood lines relayed; want at most the burst and the rate", n)
 				}
 			case "shadow":
@@ -218,6 +258,17 @@ func TestCompromisedWorker(t *testing.T) {
 					t.Errorf("the worker's end noticed %v after it left; want within a second", took)
 				}
 				h.waitAdmin(h.statusSocket(), "/status", `"state": "stale"`)
+			}
+			if vaultAttacks[attack] != nil {
+				// The worker of v was stopped and started again; main's
+				// ran on, and the mount kept its content.
+				h.waitMetric(h.statusSocket(), `kvmount_worker_refusals_total{domain="v"} 1`)
+				h.waitMetric(h.statusSocket(), `kvmount_worker_starts_total{domain="v"} 2`)
+				h.waitMetric(h.statusSocket(), `kvmount_worker_starts_total{domain="main"} 1`)
+				if got, _ := content(dir); got["app.conf"] != "v1" {
+					t.Errorf("the mount holds %v after the attack of v's worker", got)
+				}
+				return
 			}
 			h.waitContent(dir, map[string]string{"app.conf": "v2"})
 			checkMode(t, dir, 0o400)

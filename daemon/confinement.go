@@ -2,9 +2,11 @@ package daemon
 
 import (
 	"fmt"
+	"maps"
 	"os/user"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/config"
@@ -28,12 +30,13 @@ func confinementWarnings(c privsep.Confinement) []string {
 	return out
 }
 
-// WorkerView says how the unprivileged worker that reads cfg's sources
-// runs on this host — as which user, confined how, line by line what is
-// in force on this kernel (privsep.InForce) — for kvmount check, and what
-// the kernel lets it run without, as warnings. workerUser is
-// Options.WorkerUser ("" for WorkerUser). It returns an error when no user
-// can be found for it.
+// WorkerView says how the unprivileged workers that read cfg's sources
+// run on this host — as which user, confined how — and, for each trust
+// domain (privsep.Domain), its sources and mounts and line by line what
+// is in force for its worker on this kernel (privsep.InForce), for
+// kvmount check; and what the kernel lets them run without, as warnings.
+// workerUser is Options.WorkerUser ("" for WorkerUser). It returns an
+// error when no user can be found for them.
 func WorkerView(cfg *config.Config, workerUser string) (view string, warnings []string, err error) {
 	workerUser = workerUserName(workerUser)
 	id, err := workerIdentity(workerUser)
@@ -54,33 +57,53 @@ func WorkerView(cfg *config.Config, workerUser string) (view string, warnings []
 	if c.Seccomp {
 		seccomp = "a seccomp filter"
 	}
-	view = fmt.Sprintf("worker: the sources are read by an unprivileged worker, as %s, with no capability, no_new_privs, %s and %s", who, landlock, seccomp)
-	if p, err := privsep.PolicyFor(cfg); err == nil {
-		for _, line := range privsep.InForce(c, p) {
-			view += "\n  " + line
+	domains := privsep.ConfigDomains(cfg)
+	view = fmt.Sprintf("worker: the sources are read by unprivileged workers, one per trust domain (%d), as %s, with no capability, no_new_privs, %s and %s",
+		len(domains), who, landlock, seccomp)
+	for _, name := range slices.Sorted(maps.Keys(domains)) {
+		d := domains[name]
+		mounts := "no mount"
+		if len(d.Mounts) > 0 {
+			mounts = "mounts " + strings.Join(d.Mounts, ", ")
+		}
+		view += fmt.Sprintf("\n  domain %s (sources %s; %s):", name, strings.Join(d.Sources, ", "), mounts)
+		if p, err := privsep.PolicyFor(d.Of(cfg)); err == nil {
+			for _, line := range privsep.InForce(c, p) {
+				view += "\n    " + line
+			}
 		}
 	}
 	return view, append(warnings, confinementWarnings(c)...), nil
 }
 
-// workerStatus returns the worker's entry in /status: the supervisor's
-// counts, and how the kernel shows the running worker in
-// /proc/PID/status.
-func (m *monitor) workerStatus() *admin.WorkerStatus {
-	st := m.super.State()
+// workersStatus returns the workers' entries in /status, one per trust
+// domain: the supervisor's counts, and how the kernel shows each running
+// worker in /proc/PID/status.
+func (m *monitor) workersStatus() []*admin.WorkerStatus {
+	var out []*admin.WorkerStatus
+	for _, dw := range m.Workers() {
+		out = append(out, m.workerStatus(dw))
+	}
+	return out
+}
+
+// workerStatus returns the entry of dw, one domain's worker.
+func (m *monitor) workerStatus(dw privsep.DomainWorker) *admin.WorkerStatus {
+	st := dw.Supervisor.State()
 	w := &admin.WorkerStatus{
-		Running: st.PID != 0, PID: st.PID, UID: m.super.Identity.UID,
+		Domain: dw.Domain.Name, Sources: dw.Domain.Sources, Mounts: dw.Domain.Mounts,
+		Running: st.PID != 0, PID: st.PID, UID: m.identity.UID,
 		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd,
 		LandlockABI: m.offered.LandlockABI,
 		Warnings:    confinementWarnings(m.offered),
-		InForce:     privsep.InForce(m.offered, *m.policy.Load()),
+		InForce:     privsep.InForce(m.offered, dw.Policy),
 	}
 	if st.PID == 0 {
 		return w
 	}
 	since := st.Since
 	w.Since = &since
-	o, pid, err := m.super.ObserveWorker()
+	o, pid, err := dw.Supervisor.ObserveWorker()
 	if err != nil || pid != st.PID {
 		// It ended, or another started, between the two looks.
 		w.Running, w.PID, w.Since = false, 0, nil

@@ -112,11 +112,11 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.admin = admin.New(admin.Options{Version: opts.Version, Log: d.log,
 			Ping:  func(ctx context.Context) error { return d.rec.Ping(ctx) },
 			Adopt: func(ctx context.Context, mount string) error { return d.rec.Adopt(ctx, mount) },
-			Worker: func() *admin.WorkerStatus {
+			Workers: func() []*admin.WorkerStatus {
 				if d.monitor == nil {
 					return nil
 				}
-				return d.monitor.workerStatus()
+				return d.monitor.workersStatus()
 			}})
 		observers = append(observers, d.admin)
 		nopts := notify.Options{Log: d.log, OnResult: func(r notify.Result) {
@@ -153,7 +153,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 			d.close()
 			return nil, err
 		}
-		desired = d.monitor.remote
+		desired = d.monitor.Remote()
 	}
 	// The sources' first reads are under way (or the worker's): the
 	// host's audit (a walk up every mount's path) runs while they are.
@@ -287,7 +287,7 @@ func (d *daemon) reloadSplit(ctx context.Context, cfg *config.Config, rec *confi
 		d.log.Error("cannot apply mounts", "err", err)
 		return false
 	}
-	if err := d.monitor.reconfigure(ctx, d.cfg, cfg, rec); err != nil {
+	if err := d.monitor.Configure(ctx, cfg, inputs(cfg, rec)); err != nil {
 		d.log.Error("the worker cannot apply the configuration; the running one stays in force", "err", err)
 		if err := d.rec.Reload(ctx, reconcile.ReloadConfig{Mounts: d.cfg.Mounts}); err != nil {
 			d.log.Error("cannot apply mounts", "err", err)

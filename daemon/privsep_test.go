@@ -1,10 +1,8 @@
 package daemon
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -21,7 +19,6 @@ import (
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/privsep"
-	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
 )
 
@@ -68,9 +65,12 @@ func TestWorkerHoldsNoPrivilege(t *testing.T) {
 	if len(w.InForce) != 3 || !strings.Contains(w.InForce[0], "seccomp: an allowlist") || !strings.Contains(w.InForce[1], "Landlock ABI") {
 		t.Errorf("/status says not what is in force: %q", w.InForce)
 	}
-	h.waitMetric(h.statusSocket(), "kvmount_worker_up 1")
-	for _, want := range []string{"kvmount_worker_starts_total 1", "kvmount_worker_refusals_total 0", "kvmount_worker_seccomp 1",
-		"kvmount_worker_landlock_abi " + strconv.Itoa(w.LandlockABI)} {
+	if w.Domain != "main" || !slices.Equal(w.Sources, []string{"main"}) || !slices.Equal(w.Mounts, []string{"app"}) {
+		t.Errorf("/status worker of domain %q, sources %v, mounts %v; want main's", w.Domain, w.Sources, w.Mounts)
+	}
+	h.waitMetric(h.statusSocket(), `kvmount_worker_up{domain="main"} 1`)
+	for _, want := range []string{`kvmount_worker_starts_total{domain="main"} 1`, `kvmount_worker_refusals_total{domain="main"} 0`, `kvmount_worker_seccomp{domain="main"} 1`,
+		`kvmount_worker_landlock_abi{domain="main"} ` + strconv.Itoa(w.LandlockABI)} {
 		h.waitMetric(h.statusSocket(), want)
 	}
 	// A worker that dies: logged, the content kept, a new one started.
@@ -82,28 +82,29 @@ func TestWorkerHoldsNoPrivilege(t *testing.T) {
 	second := workerPID(t, h, 2)
 	h.put("/apps/app/app.conf", "v2")
 	h.waitContent(dir, map[string]string{"app.conf": "v2"})
-	h.waitMetric(h.statusSocket(), "kvmount_worker_starts_total 2")
+	h.waitMetric(h.statusSocket(), `kvmount_worker_starts_total{domain="main"} 2`)
 	if w := workerStatus(t, h); strconv.Itoa(w.PID) != second || !strings.Contains(w.LastEnd, "signal: killed") {
 		t.Errorf("/status worker after the kill: %+v; want worker %s, and the last end", w, second)
 	}
 }
 
-// workerStatus returns the worker's entry in the daemon's /status.
+// workerStatus returns the entry of the only worker in the daemon's
+// /status.
 func workerStatus(t *testing.T, h *harness) admin.WorkerStatus {
 	t.Helper()
 	_, body := unixGet(t, h.statusSocket(), "/status")
 	var st admin.Status
-	if err := json.Unmarshal([]byte(body), &st); err != nil || st.Worker == nil {
-		t.Fatalf("/status: %v, no worker:\n%s", err, body)
+	if err := json.Unmarshal([]byte(body), &st); err != nil || len(st.Workers) != 1 {
+		t.Fatalf("/status: %v, not one worker:\n%s", err, body)
 	}
-	return *st.Worker
+	return *st.Workers[0]
 }
 
 // workerPID returns the PID of the nth worker the daemon started, from
 // its log, waiting for it for 30 s at most.
 func workerPID(t *testing.T, h *harness, nth int) string {
 	t.Helper()
-	re := regexp.MustCompile(`msg="worker started" pid=([0-9]+)`)
+	re := regexp.MustCompile(`msg="worker started" domain=\S+ pid=([0-9]+)`)
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if m := re.FindAllStringSubmatch(h.logs.String(), -1); len(m) >= nth {
 			return m[nth-1][1]
@@ -141,57 +142,6 @@ func TestConfinementWarnings(t *testing.T) {
 	}
 }
 
-// TestRereadGivenUpIsForgotten: a credential read that cannot reach the
-// monitor leaves nothing waiting behind it.
-func TestRereadGivenUpIsForgotten(t *testing.T) {
-	r, w, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r.Close()
-	defer w.Close()
-	rr := &rereads{send: &sender{enc: privsep.NewEncoder(w)}, waiting: map[string][]chan *privsep.Credential{}}
-	if _, _, err := rr.Read("/etc/kvmount/token", 1024); err == nil {
-		t.Fatal("a read over a closed socket succeeded")
-	}
-	if len(rr.waiting) != 0 {
-		t.Errorf("waiting after the read gave up: %v", rr.waiting)
-	}
-}
-
-// writeCounter counts the writes made to it.
-type writeCounter struct{ writes int }
-
-func (w *writeCounter) Write(p []byte) (int, error) {
-	w.writes++
-	return len(p), nil
-}
-
-// TestSenderWritesAnUpdateAtOnce: what publish sends for one update — the
-// sources' states Populate queued, the mount's state and its payload —
-// reaches the monitor in one write, so that it wakes once for it.
-func TestSenderWritesAnUpdateAtOnce(t *testing.T) {
-	out := &writeCounter{}
-	s := &sender{enc: privsep.NewEncoder(out)}
-	if err := s.queue(&privsep.State{Source: "main", Revision: "7"}); err != nil {
-		t.Fatal(err)
-	}
-	st := &privsep.MountState{Mount: "app", Generation: 3, Revision: "main@7"}
-	d := &reconcile.DesiredMount{Generation: 3, Payload: projector.Payload{"a": {Data: []byte("1"), Mode: 0o644}, "b": {Data: []byte("2"), Mode: 0o600}}}
-	if err := s.payload(st, d); err != nil {
-		t.Fatal(err)
-	}
-	if out.writes != 0 {
-		t.Errorf("%d writes before the flush", out.writes)
-	}
-	if err := s.flush(); err != nil {
-		t.Fatal(err)
-	}
-	if out.writes != 1 {
-		t.Errorf("%d writes for one update; want 1", out.writes)
-	}
-}
-
 // TestWorkerProcs: the worker leaves one CPU of its GOMAXPROCS to the
 // monitor, and keeps one for itself.
 func TestWorkerProcs(t *testing.T) {
@@ -204,8 +154,7 @@ func TestWorkerProcs(t *testing.T) {
 
 // TestWorkerSaysWhatItCuts: lists over the protocol's bounds reach the
 // monitor cut, with what was cut said in the last entry: sources waiting
-// past 64 as a stale entry, stale entries past it as "and N more", log
-// attributes past 32 pairs as attrs_dropped.
+// past 64 as a stale entry, stale entries past it as "and N more".
 func TestWorkerSaysWhatItCuts(t *testing.T) {
 	d := &reconcile.DesiredMount{}
 	for i := range 70 {
@@ -225,21 +174,6 @@ func TestWorkerSaysWhatItCuts(t *testing.T) {
 		t.Errorf("stale %q; want the 6 waiting sources left out counted", st.Stale)
 	}
 
-	var buf bytes.Buffer
-	h := &workerHandler{send: &sender{enc: privsep.NewEncoder(&buf)}, level: slog.LevelInfo}
-	var args []any
-	for i := range 40 {
-		args = append(args, fmt.Sprintf("k%d", i), i)
-	}
-	slog.New(h).Info("many", args...)
-	m, err := privsep.NewDecoder(&buf, privsep.FromWorker).Decode()
-	if err != nil {
-		t.Fatal(err)
-	}
-	attrs := m.(*privsep.Log).Attrs
-	if len(attrs) != privsep.MaxListLen || !slices.Equal(attrs[len(attrs)-2:], []string{"attrs_dropped", "9"}) {
-		t.Errorf("%d attributes, ending %q; want %d ending attrs_dropped 9", len(attrs), attrs[len(attrs)-2:], privsep.MaxListLen)
-	}
 }
 
 // socketOwner returns the uid that owns the TCP socket bound to addr
@@ -331,4 +265,92 @@ func TestWorkerUIDIsNobodyElses(t *testing.T) {
 	if next.UID == first.UID || next.GID == first.GID {
 		t.Errorf("the worker's id %+v is the running process's (%d)", next, first.UID)
 	}
+}
+
+// statusWorkers returns the workers of the daemon's /status, by domain.
+func statusWorkers(t *testing.T, h *harness) map[string]*admin.WorkerStatus {
+	t.Helper()
+	_, body := unixGet(t, h.statusSocket(), "/status")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(body), &st); err != nil {
+		t.Fatalf("/status: %v\n%s", err, body)
+	}
+	out := map[string]*admin.WorkerStatus{}
+	for _, w := range st.Workers {
+		out[w.Domain] = w
+	}
+	return out
+}
+
+// TestWorkerPerTrustDomain is issue 36's tenth finding: two sources that
+// no mount reads together run in two workers, one per trust domain.
+// Killing one leaves the other running and its mount current, while its
+// own mount goes stale and comes back with the next worker; a reload that
+// adds a mount reading both joins them into one domain — its worker
+// started, the two before stopped, every mount projected from it.
+func TestWorkerPerTrustDomain(t *testing.T) {
+	h := newHarness(t)
+	h.sources = func() string {
+		return fmt.Sprintf("[sources.a]\ntype = \"etcd\"\nendpoints = [%q]\n[sources.b]\ntype = \"etcd\"\nendpoints = [%q]\n", h.endpoint, h.endpoint)
+	}
+	mount := func(name, source, prefix string) string {
+		return strings.Replace(h.mount(name, prefix), `source = "main"`, fmt.Sprintf("source = %q", source), 1)
+	}
+	ma, mb := h.path("mnt", "ma"), h.path("mnt", "mb")
+	h.put("/a/x", "1", "/b/y", "2")
+	h.writeConfig(mount("ma", "a", "/a/") + mount("mb", "b", "/b/"))
+	h.start()
+	h.waitContent(ma, map[string]string{"x": "1"})
+	h.waitContent(mb, map[string]string{"y": "2"})
+	workers := statusWorkers(t, h)
+	if len(workers) != 2 || workers["a"] == nil || workers["b"] == nil ||
+		!slices.Equal(workers["a"].Mounts, []string{"ma"}) || !slices.Equal(workers["b"].Mounts, []string{"mb"}) {
+		t.Fatalf("/status workers: %+v; want a (ma) and b (mb)", workers)
+	}
+	a, b := workers["a"].PID, workers["b"].PID
+	if a == 0 || b == 0 || a == b {
+		t.Fatalf("worker pids %d and %d", a, b)
+	}
+
+	if err := syscall.Kill(a, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	h.waitLog("the worker ended; starting it again", "domain=a")
+	h.put("/b/y", "3")
+	h.waitContent(mb, map[string]string{"y": "3"})
+	h.waitMetric(h.statusSocket(), `kvmount_worker_starts_total{domain="a"} 2`)
+	h.put("/a/x", "4")
+	h.waitContent(ma, map[string]string{"x": "4"})
+	if w := statusWorkers(t, h)["b"]; w == nil || w.PID != b || w.Starts != 1 {
+		t.Errorf("the worker of b after a's was killed: %+v; want %d, started once", w, b)
+	}
+	a = statusWorkers(t, h)["a"].PID
+
+	h.writeConfig(mount("ma", "a", "/a/") + mount("mb", "b", "/b/") + fmt.Sprintf(`[[mount]]
+name = "both"
+dir = %q
+  [[mount.projections]]
+  source = "a"
+  prefix = "/a/"
+  [[mount.projections]]
+  source = "b"
+  prefix = "/b/"
+`, h.path("mnt", "both")))
+	h.sighup()
+	h.waitContent(h.path("mnt", "both"), map[string]string{"x": "4", "y": "3"})
+	h.waitLog("its worker stopped", "domain=a")
+	h.waitLog("its worker stopped", "domain=b")
+	workers = statusWorkers(t, h)
+	if len(workers) != 1 || workers["a+b"] == nil || !slices.Equal(workers["a+b"].Mounts, []string{"both", "ma", "mb"}) ||
+		!slices.Equal(workers["a+b"].Sources, []string{"a", "b"}) {
+		t.Fatalf("/status workers after the reload: %+v; want a+b alone, with every mount", workers)
+	}
+	for _, pid := range []int{a, b} {
+		if syscall.Kill(pid, 0) == nil {
+			t.Errorf("the worker %d of a domain that is gone still runs", pid)
+		}
+	}
+	h.put("/a/x", "5")
+	h.waitContent(ma, map[string]string{"x": "5"})
+	h.waitContent(h.path("mnt", "both"), map[string]string{"x": "5", "y": "3"})
 }

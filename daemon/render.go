@@ -55,14 +55,12 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 		defer closeAll()
 		desired = pop
 	} else {
-		m, err := newMonitor(log, cfg, rec, opts)
+		// The worker of spec's domain alone.
+		m, err := newMonitor(log, narrowTo(cfg, spec), rec, opts)
 		if err != nil {
 			return nil, err
 		}
-		m.remote.WakeOnBuild(trigger.Fire)
-		if err := m.remote.SetMounts([]*config.Mount{spec}); err != nil {
-			return nil, err
-		}
+		m.Remote().WakeOnBuild(trigger.Fire)
 		runCtx, stop := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() {
@@ -75,7 +73,7 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 			stop()
 			<-done
 		}()
-		desired = m.remote
+		desired = m.Remote()
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
@@ -104,6 +102,18 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 			return nil, fmt.Errorf("mount %q: %s", mount, why)
 		}
 	}
+}
+
+// narrowTo returns cfg with spec as its only mount, and the sources spec
+// reads as its only sources.
+func narrowTo(cfg *config.Config, spec *config.Mount) *config.Config {
+	c := *cfg
+	c.Mounts = []*config.Mount{spec}
+	c.Sources = map[string]*config.Source{}
+	for _, pr := range spec.Projections {
+		c.Sources[pr.Source] = cfg.Sources[pr.Source]
+	}
+	return &c
 }
 
 // renderInProcess opens the sources of spec and returns a populator of

@@ -14,13 +14,8 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
-	"strconv"
-	"sync"
 	"sync/atomic"
 	"syscall"
-	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/notify"
@@ -65,7 +60,7 @@ var afterConfine func(cfg *config.Config, log *slog.Logger)
 // and the populator, whose desired state it sends to the monitor.
 type worker struct {
 	registry *source.Registry
-	send     *sender
+	link     *privsep.MonitorLink
 	level    *slog.LevelVar
 	log      *slog.Logger
 	trigger  reconcile.Trigger
@@ -80,7 +75,6 @@ type worker struct {
 	payloadGen map[string]uint64
 	// sentBytes is the size of the payload last sent of each mount.
 	sentBytes map[string]int64
-	rereads   *rereads
 	// settled is set once every mount had a payload or an error.
 	settled bool
 	// confined is set once the worker is confined: before, it delivers
@@ -116,15 +110,21 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 		runtime.GOMAXPROCS(workerProcs(runtime.GOMAXPROCS(0)))
 	}
 	w := &worker{
-		registry: registry, send: &sender{enc: privsep.NewEncoder(conn)}, level: new(slog.LevelVar),
+		registry: registry, link: privsep.NewMonitorLink(conn), level: new(slog.LevelVar),
 		trigger: reconcile.NewTrigger(), sent: map[string]*reconcile.DesiredMount{}, payloadGen: map[string]uint64{}, sentBytes: map[string]int64{},
 		webhooks: &http.Client{},
 	}
-	w.rereads = &rereads{send: w.send, waiting: map[string][]chan *privsep.Credential{}}
-	w.log = slog.New(&workerHandler{send: w.send, level: w.level})
+	w.log = slog.New(w.link.Handler(w.level))
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
-	go func() { readErr <- w.read(ctx, conn, applies) }()
+	go func() {
+		readErr <- w.link.Serve(ctx, func(a *privsep.Apply, inputs map[string][]byte) {
+			select {
+			case applies <- applyRequest{apply: a, inputs: inputs}:
+			case <-ctx.Done():
+			}
+		}, w.post)
+	}()
 	defer w.close()
 	for {
 		select {
@@ -141,7 +141,7 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 			if err != nil {
 				msg.Err = clip(err.Error(), privsep.MaxDetailLen)
 			}
-			if serr := w.send.send(msg); serr != nil {
+			if serr := w.link.Send(msg); serr != nil {
 				return serr
 			}
 			if err != nil && w.cfg == nil {
@@ -157,31 +157,6 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 	}
 }
 
-// read decodes the monitor's messages: Inputs gathered until an Apply,
-// Credentials handed to the reads waiting for them, webhooks delivered
-// each on a goroutine of its own, until ctx is done.
-func (w *worker) read(ctx context.Context, r io.Reader, applies chan<- applyRequest) error {
-	d := privsep.NewDecoder(r, privsep.FromMonitor)
-	inputs := map[string][]byte{}
-	for {
-		m, err := d.Decode()
-		if err != nil {
-			return err
-		}
-		switch m := m.(type) {
-		case *privsep.Input:
-			inputs[m.Name] = m.Value
-		case *privsep.Apply:
-			applies <- applyRequest{apply: m, inputs: inputs}
-			inputs = map[string][]byte{}
-		case *privsep.Credential:
-			w.rereads.answer(m)
-		case *privsep.Post:
-			go w.post(ctx, m)
-		}
-	}
-}
-
 // post delivers the webhook m (notify.Deliver) and answers the monitor
 // with how it went.
 func (w *worker) post(ctx context.Context, m *privsep.Post) {
@@ -191,7 +166,7 @@ func (w *worker) post(ctx context.Context, m *privsep.Post) {
 	} else if err := notify.Deliver(ctx, w.webhooks, notify.Webhook{URL: m.URL, Target: m.Target, Header: m.Header, Body: m.Body, Timeout: m.Timeout}); err != nil {
 		answer.Err = clip(err.Error(), privsep.MaxDetailLen)
 	}
-	_ = w.send.send(answer)
+	_ = w.link.Send(answer)
 }
 
 // apply runs the configuration req gives: the first one confines the
@@ -234,7 +209,7 @@ func (w *worker) apply(req applyRequest) error {
 	} else if !reflect.DeepEqual(policy, w.policy) {
 		return errors.New("the configuration reaches stores outside the worker's Landlock policy; a new worker is needed")
 	}
-	opened, err := openSources(w.registry, w.sources, cfg, w.log, w.rereads)
+	opened, err := openSources(w.registry, w.sources, cfg, w.log, w.link.Files())
 	if err != nil {
 		return err
 	}
@@ -271,9 +246,9 @@ func (w *worker) forward(ev reconcile.Event) {
 		if ev.Err != nil {
 			st.Err = clip(ev.Err.Error(), privsep.MaxDetailLen)
 		}
-		_ = w.send.queue(st)
+		_ = w.link.Queue(st)
 	case reconcile.HeldBackEvent:
-		_ = w.send.queue(&privsep.HeldBack{Mount: ev.Mount, Guard: ev.Guard, Reason: clip(ev.Reason, privsep.MaxDetailLen), Revision: boundRevision(ev.Revision)})
+		_ = w.link.Queue(&privsep.HeldBack{Mount: ev.Mount, Guard: ev.Guard, Reason: clip(ev.Reason, privsep.MaxDetailLen), Revision: boundRevision(ev.Revision)})
 	}
 }
 
@@ -301,25 +276,25 @@ func (w *worker) publish() error {
 				// which guard rail held it back.
 				w.log.Error("cannot send mount payload; keeping last content", "mount", name, "err", over)
 				st.Err = clip(over.Error(), privsep.MaxDetailLen)
-				if err := w.send.queue(&privsep.HeldBack{Mount: name, Guard: guard, Reason: st.Err, Revision: boundRevision(d.Revision)}); err != nil {
+				if err := w.link.Queue(&privsep.HeldBack{Mount: name, Guard: guard, Reason: st.Err, Revision: boundRevision(d.Revision)}); err != nil {
 					return err
 				}
 			} else {
 				w.payloadGen[name] = d.Generation
 				w.sentBytes[name] = d.Payload.Size()
-				if err := w.send.payload(st, d); err != nil {
+				if err := w.link.QueuePayload(st, d.Payload); err != nil {
 					return err
 				}
 				continue
 			}
 		}
-		if err := w.send.queue(st); err != nil {
+		if err := w.link.Queue(st); err != nil {
 			return err
 		}
 	}
 	// One write for all of it where it fits: every wake-up of the monitor
 	// is a cross-process one.
-	if err := w.send.flush(); err != nil {
+	if err := w.link.Flush(); err != nil {
 		return err
 	}
 	if !w.settled && allBuilt(dsw) {
@@ -411,206 +386,5 @@ func boundRevision(rev string) string {
 	return source.BoundRevision(rev)
 }
 
-// clip returns s cut to at most n bytes.
-func clip(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	return s[:n]
-}
-
-// sender writes the worker's messages to the monitor, from any goroutine.
-type sender struct {
-	mu  sync.Mutex
-	enc *privsep.Encoder
-}
-
-// send writes msgs and flushes them.
-func (s *sender) send(msgs ...privsep.Message) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := s.encode(msgs); err != nil {
-		return err
-	}
-	return s.enc.Flush()
-}
-
-// queue writes msgs without flushing them: they go with the next flush,
-// or the next send.
-func (s *sender) queue(msgs ...privsep.Message) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.encode(msgs)
-}
-
-// encode encodes msgs; s.mu is held.
-func (s *sender) encode(msgs []privsep.Message) error {
-	for _, m := range msgs {
-		if err := s.enc.Encode(m); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// flush writes what was queued.
-func (s *sender) flush() error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.enc.Flush()
-}
-
-// payload queues st and then d's payload, its files in path order (they
-// are written as the encoder's buffer fills, the rest at the next flush).
-func (s *sender) payload(st *privsep.MountState, d *reconcile.DesiredMount) error {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if err := s.enc.Encode(st); err != nil {
-		return err
-	}
-	if err := s.enc.Encode(&privsep.Begin{Mount: st.Mount, Revision: st.Revision, Files: uint32(len(d.Payload))}); err != nil {
-		return err
-	}
-	for _, p := range slices.Sorted(maps.Keys(d.Payload)) {
-		f := d.Payload[p]
-		if err := s.enc.EncodeFile(p, uint32(f.Mode.Perm()), f.Data); err != nil {
-			return err
-		}
-	}
-	return s.enc.Encode(&privsep.Commit{})
-}
-
-// rereadTimeout bounds the wait for the monitor's answer to a Reread.
-const rereadTimeout = 10 * time.Second
-
-// rereads is the worker's config.Files for the credential files a source
-// reads again while it runs: each read is a Reread to the monitor, which
-// answers with the file's content or why it cannot.
-type rereads struct {
-	send    *sender
-	mu      sync.Mutex
-	waiting map[string][]chan *privsep.Credential
-	// asked holds the files asked for whose answer has not come: the
-	// monitor takes one request per file in flight, so a read of a file
-	// already asked for waits for that answer.
-	asked map[string]bool
-}
-
-// Read implements config.Files.
-func (r *rereads) Read(name string, limit int64) ([]byte, *unix.Stat_t, error) {
-	ch := make(chan *privsep.Credential, 1)
-	r.mu.Lock()
-	r.waiting[name] = append(r.waiting[name], ch)
-	ask := !r.asked[name]
-	if ask {
-		if r.asked == nil {
-			r.asked = map[string]bool{}
-		}
-		r.asked[name] = true
-	}
-	r.mu.Unlock()
-	if ask {
-		if err := r.send.send(&privsep.Reread{Name: name}); err != nil {
-			r.mu.Lock()
-			delete(r.asked, name)
-			r.mu.Unlock()
-			r.forget(name, ch)
-			return nil, nil, err
-		}
-	}
-	select {
-	case c := <-ch:
-		if c.Err != "" {
-			return nil, nil, errors.New(c.Err)
-		}
-		return config.Replay{name: c.Value}.Read(name, limit)
-	case <-time.After(rereadTimeout):
-		r.forget(name, ch)
-		return nil, nil, fmt.Errorf("%s: the monitor did not answer within %v", name, rereadTimeout)
-	}
-}
-
-// forget removes ch, a read that gave up, from those waiting for name.
-func (r *rereads) forget(name string, ch chan *privsep.Credential) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	r.waiting[name] = slices.DeleteFunc(r.waiting[name], func(c chan *privsep.Credential) bool { return c == ch })
-	if len(r.waiting[name]) == 0 {
-		delete(r.waiting, name)
-	}
-}
-
-// answer hands c to the reads waiting for its file.
-func (r *rereads) answer(c *privsep.Credential) {
-	r.mu.Lock()
-	chans := r.waiting[c.Name]
-	delete(r.waiting, c.Name)
-	delete(r.asked, c.Name)
-	r.mu.Unlock()
-	for _, ch := range chans {
-		ch <- c
-	}
-}
-
-// workerHandler is the worker's slog.Handler: each record goes to the
-// monitor as a Log message, its attributes as strings, which the monitor
-// logs with its own handler (escaping them).
-type workerHandler struct {
-	send  *sender
-	level slog.Leveler
-	attrs []string
-	group string
-}
-
-func (h *workerHandler) Enabled(_ context.Context, l slog.Level) bool {
-	return l >= h.level.Level()
-}
-
-func (h *workerHandler) Handle(_ context.Context, r slog.Record) error {
-	attrs := slices.Clone(h.attrs)
-	r.Attrs(func(a slog.Attr) bool {
-		attrs = appendAttr(attrs, h.group, a)
-		return true
-	})
-	if len(attrs) > privsep.MaxListLen {
-		// Keys and values go in pairs: the last pair says how many
-		// were left out.
-		keep := privsep.MaxListLen - 2
-		attrs = append(attrs[:keep:keep], "attrs_dropped", strconv.Itoa((len(attrs)-keep)/2))
-	}
-	return h.send.send(&privsep.Log{Level: int32(r.Level), Message: clip(r.Message, privsep.MaxDetailLen), Attrs: attrs})
-}
-
-func (h *workerHandler) WithAttrs(as []slog.Attr) slog.Handler {
-	c := *h
-	c.attrs = slices.Clone(h.attrs)
-	for _, a := range as {
-		c.attrs = appendAttr(c.attrs, h.group, a)
-	}
-	return &c
-}
-
-func (h *workerHandler) WithGroup(name string) slog.Handler {
-	c := *h
-	c.group = h.group + name + "."
-	return &c
-}
-
-// appendAttr appends a's key, with group before it, and its value as a
-// string; a group's attributes one by one.
-func appendAttr(out []string, group string, a slog.Attr) []string {
-	v := a.Value.Resolve()
-	if v.Kind() == slog.KindGroup {
-		for _, g := range v.Group() {
-			out = appendAttr(out, group+a.Key+".", g)
-		}
-		return out
-	}
-	var s string
-	if err, ok := v.Any().(error); ok && v.Kind() == slog.KindAny {
-		s = err.Error()
-	} else {
-		s = v.String()
-	}
-	return append(out, clip(group+a.Key, privsep.MaxDetailLen), clip(s, privsep.MaxDetailLen))
-}
+// clip returns s cut to at most n bytes (privsep.Clip).
+func clip(s string, n int) string { return privsep.Clip(s, n) }

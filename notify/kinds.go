@@ -57,6 +57,9 @@ const webhookBodyLimit = 512
 // Webhook is one delivery of a webhook entry, everything its POST needs:
 // what the monitor hands the worker to send (Options.Webhooks).
 type Webhook struct {
+	// Mount is the mount whose change it reports: the worker of the
+	// mount's trust domain delivers it.
+	Mount string
 	// URL is where it goes; Target names it in errors (the entry's
 	// Target).
 	URL, Target string
@@ -83,7 +86,7 @@ func (n *Notifier) postWebhook(ctx context.Context, e config.Notify, c Change) e
 	if err != nil {
 		return fmt.Errorf("webhook: %w", err)
 	}
-	w := Webhook{URL: e.Webhook, Target: e.Target(), Body: body, Timeout: e.Timeout}
+	w := Webhook{Mount: c.Mount, URL: e.Webhook, Target: e.Target(), Body: body, Timeout: e.Timeout}
 	for _, name := range slices.Sorted(maps.Keys(e.Headers)) {
 		w.Header = append(w.Header, name, e.Headers[name])
 	}

@@ -15,20 +15,21 @@ import (
 )
 
 // Remote is the monitor's desired state of world (reconcile.Desired),
-// built from what the worker reports — its mounts' states and payloads,
-// its sources' states — instead of from snapshots. It takes the worker's
-// word for nothing the configuration settles: a report of a mount or a
-// source the configuration does not have is dropped, owners come from
-// the configuration, and payloads have passed the Assembler. A payload
-// equal to the one desired keeps its generation, so that a restarted
-// worker's first payloads rewrite nothing. Its Handle methods and Idle
-// are called from the goroutine that reads the worker (Supervisor's
-// OnPayload, OnMessage and OnIdle); Populate from the reconciler's loop.
+// built from what the workers report — their mounts' states and
+// payloads, their sources' states — instead of from snapshots. It takes
+// a worker's word for nothing the configuration settles: a report of a
+// mount or a source that is not of the reporting worker's trust domain
+// (Domains) is dropped, owners and modes come from the configuration,
+// and payloads have passed the Assembler. A payload equal to the one
+// desired keeps its generation, so that a restarted worker's first
+// payloads rewrite nothing. Its Handle methods and Idle are called from
+// the goroutines that read the workers (Supervisor's OnPayload,
+// OnMessage and OnIdle); Populate from the reconciler's loop.
 type Remote struct {
 	mu     sync.Mutex
 	mounts map[string]*remoteMount
-	// sources are the sources the mounts read.
-	sources map[string]bool
+	// sources are the domains of the sources the mounts read, by source.
+	sources map[string]string
 	// events wait for the next Populate, in order.
 	events   []reconcile.Event
 	observer reconcile.Observer
@@ -70,13 +71,16 @@ func (r *Remote) Budget(mount string) int64 {
 	return max(left, 0)
 }
 
-// WorkerEnded takes the end of the worker that reported (Supervisor's
-// OnEnd): until the next one reports a mount's state, the mount is stale
-// — its content stays, and nothing keeps it current.
-func (r *Remote) WorkerEnded(why error) {
+// WorkerEnded takes the end of the worker of domain (Supervisor's OnEnd):
+// until the next one reports a mount of the domain, the mount is stale —
+// its content stays, and nothing keeps it current.
+func (r *Remote) WorkerEnded(domain string, why error) {
 	r.mu.Lock()
 	for _, rm := range r.mounts {
-		rm.ended = fmt.Errorf("the worker that reads the sources ended (%v); starting it again", why)
+		if rm.domain != domain {
+			continue
+		}
+		rm.ended = fmt.Errorf("the worker that reads its sources ended (%v); starting it again", why)
 		r.touch(rm)
 	}
 	wake := r.wake
@@ -90,6 +94,9 @@ func (r *Remote) WorkerEnded(why error) {
 // remoteMount is the Remote's record of one mount.
 type remoteMount struct {
 	spec *config.Mount
+	// domain is the name of the mount's trust domain: only its worker
+	// reports the mount.
+	domain string
 	// state is the worker's last report, nil before the first.
 	state *MountState
 	// payload came after the report of generation payloadGen.
@@ -106,7 +113,7 @@ type remoteMount struct {
 
 // NewRemote returns a Remote with no mounts.
 func NewRemote() *Remote {
-	return &Remote{mounts: map[string]*remoteMount{}, sources: map[string]bool{}, observer: reconcile.ObserverFunc(func(reconcile.Event) {})}
+	return &Remote{mounts: map[string]*remoteMount{}, sources: map[string]string{}, observer: reconcile.ObserverFunc(func(reconcile.Event) {})}
 }
 
 // SetObserver implements reconcile.Desired.
@@ -124,36 +131,36 @@ func (r *Remote) WakeOnBuild(f func()) {
 func (r *Remote) SetSources(map[string]source.Source) {}
 
 // SetMounts implements reconcile.Desired: a mount whose configuration is
-// unchanged keeps its desired state; a new or changed one waits for the
-// worker's report. It returns nil.
+// unchanged keeps its desired state; a new or changed one waits for its
+// worker's report. Each mount, and each source the mounts read, is
+// reported by the worker of its trust domain (Domains) alone. It returns
+// nil.
 func (r *Remote) SetMounts(mounts []*config.Mount) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	next := make(map[string]*remoteMount, len(mounts))
-	sources := map[string]bool{}
+	domainOf, sources := mountDomains(Domains(mounts, nil))
 	for _, m := range mounts {
-		for _, pr := range m.Projections {
-			sources[pr.Source] = true
-		}
-		if old, ok := r.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) {
+		if old, ok := r.mounts[m.Name]; ok && reflect.DeepEqual(old.spec, m) && old.domain == domainOf[m.Name] {
 			next[m.Name] = old
 			continue
 		}
-		next[m.Name] = &remoteMount{spec: m, dirty: true}
+		next[m.Name] = &remoteMount{spec: m, domain: domainOf[m.Name], dirty: true}
 	}
 	r.mounts, r.sources, r.dsw = next, sources, nil
 	return nil
 }
 
-// HandlePayload takes a payload the Assembler checked: it becomes its
-// mount's desired payload at the next Populate, with the owners and modes
-// the mount's configuration says (config.Mount.FileModes), whatever the
-// worker sent. A payload of a mount not configured is dropped.
-func (r *Remote) HandlePayload(p *Payload) {
+// HandlePayload takes a payload the Assembler checked, from the worker
+// of domain: it becomes its mount's desired payload at the next
+// Populate, with the owners and modes the mount's configuration says
+// (config.Mount.FileModes), whatever the worker sent. A payload of a
+// mount not configured, or not of domain, is dropped.
+func (r *Remote) HandlePayload(domain string, p *Payload) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	rm := r.mounts[p.Mount]
-	if rm == nil || rm.state == nil {
+	if rm == nil || rm.state == nil || rm.domain != domain {
 		return
 	}
 	uid, gid := reconcile.MountOwner(rm.spec)
@@ -168,21 +175,21 @@ func (r *Remote) HandlePayload(p *Payload) {
 	r.touch(rm)
 }
 
-// HandleMessage takes one of the worker's reports: a MountState,
-// State or HeldBack. Reports of mounts and sources the configuration
-// does not have, and held-back payloads of another guard rail than the
-// worker's five, are dropped.
-func (r *Remote) HandleMessage(m Message) {
+// HandleMessage takes one of the reports of the worker of domain: a
+// MountState, State or HeldBack. Reports of mounts and sources the
+// configuration does not have or that are not of domain, and held-back
+// payloads of another guard rail than the worker's five, are dropped.
+func (r *Remote) HandleMessage(domain string, m Message) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	switch m := m.(type) {
 	case *MountState:
-		if rm := r.mounts[m.Mount]; rm != nil {
+		if rm := r.mounts[m.Mount]; rm != nil && rm.domain == domain {
 			rm.state, rm.ended = m, nil
 			r.touch(rm)
 		}
 	case *State:
-		if !r.sources[m.Source] {
+		if r.sources[m.Source] != domain {
 			return
 		}
 		ev := reconcile.SourceEvent{Source: m.Source, Revision: m.Revision, Time: time.Now()}
@@ -196,7 +203,7 @@ func (r *Remote) HandleMessage(m Message) {
 		default:
 			return
 		}
-		if r.mounts[m.Mount] == nil {
+		if rm := r.mounts[m.Mount]; rm == nil || rm.domain != domain {
 			return
 		}
 		r.event(reconcile.HeldBackEvent{Mount: m.Mount, Guard: m.Guard, Reason: m.Reason, Revision: m.Revision, Time: time.Now()})

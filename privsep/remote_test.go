@@ -18,9 +18,9 @@ func TestRemoteWakesAtIdle(t *testing.T) {
 	if err := r.SetMounts([]*config.Mount{mount}); err != nil {
 		t.Fatal(err)
 	}
-	r.HandleMessage(&MountState{Mount: "app", Generation: 1, Revision: "main@7"})
-	r.HandlePayload(&Payload{Mount: "app", Revision: "main@7", Files: projector.Payload{"k": {Data: []byte("v"), Mode: 0o644}}})
-	r.HandleMessage(&State{Source: "main", Revision: "7"})
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 1, Revision: "main@7"})
+	r.HandlePayload("main", &Payload{Mount: "app", Revision: "main@7", Files: projector.Payload{"k": {Data: []byte("v"), Mode: 0o644}}})
+	r.HandleMessage("main", &State{Source: "main", Revision: "7"})
 	if wakes != 0 {
 		t.Fatalf("%d wake-ups before Idle", wakes)
 	}

@@ -1,16 +1,26 @@
-// Package privsep holds the parts of kvmount's privilege separation, after
-// OpenSSH's (privsep, since 2002): a privileged monitor that keeps what
-// only root can do, an unprivileged worker that reads the network and
-// store content, and a narrow protocol between them.
+// Package privsep holds kvmount's privilege separation, after OpenSSH's
+// (privsep, since 2002): a privileged monitor that keeps what only root
+// can do, unprivileged workers — one per trust domain — that read the
+// network and store content, and a narrow protocol between them. It is
+// the seam's one home; a reader finds here everything a compromised
+// worker can make root do:
 //
-// Spawn starts the worker with no privilege to lose: another user, no
-// supplementary group, every capability set empty, no_new_privs. Confine,
-// called by the worker itself before it reads anything from outside,
-// narrows what it may still do: a seccomp filter refuses the system calls
-// a worker has no use for, and a Landlock ruleset the files and ports
-// outside its policy. The wire protocol (wire.go) carries payloads from
-// the worker, and Assembler (assemble.go) rebuilds them in the monitor,
-// applying every guard rail again as if the worker were hostile.
+//   - requests.go: what a worker may send, each message with the phase
+//     it is allowed in, its budget and what the monitor does with it;
+//   - monitor.go and domain.go: the monitor's side — a worker per trust
+//     domain, each given its domain's share of the configuration alone;
+//     supervise.go runs one (starts, restarts, queues, breaches),
+//     assemble.go rebuilds its payloads applying every guard rail again,
+//     remote.go is the desired state their reports build;
+//   - worker.go: the worker's side — what it sends, its log handler, its
+//     requests for credential files;
+//   - wire.go and messages.go: the frames and their bounds;
+//   - spawn.go, harden.go, confine.go, sandbox.go and policy.go: a worker
+//     started with no privilege to lose (another user, no capability,
+//     no_new_privs), hardened at its start, and confined by itself before
+//     it reads anything from outside — a seccomp allowlist and a Landlock
+//     ruleset of its domain's policy;
+//   - observe.go: a worker as the kernel shows it in /proc.
 package privsep
 
 import (

@@ -69,10 +69,12 @@ type Supervisor struct {
 	Identity Identity
 	// OnPayload receives the worker's payloads, assembled and checked;
 	// OnMessage its other messages (State, MountState, HeldBack, Log,
-	// Reread). Both are called in order, on the goroutine that reads the
-	// worker, and must not block.
+	// Reread, Posted) once the request table allows them in the worker's
+	// phase (requests.go), and returns a breach of the request's budget,
+	// after which the worker is stopped. Both are called in order, on
+	// the goroutine that reads the worker, and must not block.
 	OnPayload func(*Payload)
-	OnMessage func(Message)
+	OnMessage func(Message) error
 	// OnIdle, when set, is called on the same goroutine whenever the
 	// messages the worker sent so far are handled and the next is not in
 	// yet: one call for the messages of one write, so that their reader
@@ -187,6 +189,26 @@ type link struct {
 	// its way), then only the new one's.
 	mounts  map[string]MountLimits
 	pending map[uint32]map[string]MountLimits
+	// phase is Running once the worker applied a configuration.
+	phase Phase
+	// applies are the Applies sent whose answer has not come, by Seq.
+	applies map[uint32]bool
+}
+
+// Serves reports whether the running worker may report mount: whether
+// mount is one of the configuration it runs, or of the one it is being
+// given. It is false while no worker runs.
+func (s *Supervisor) Serves(mount string) bool {
+	s.mu.Lock()
+	l := s.link
+	s.mu.Unlock()
+	if l == nil {
+		return false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.mounts[mount]
+	return ok
 }
 
 // send queues msgs for the worker; it never blocks. When the bytes queued
@@ -319,6 +341,7 @@ func (s *Supervisor) Configure(ctx context.Context, c Configuration, restart boo
 		l.pending = map[uint32]map[string]MountLimits{}
 	}
 	l.pending[seq] = c.Mounts
+	l.applies[seq] = true
 	l.mu.Unlock()
 	l.send(configMessages(c, seq)...)
 
@@ -424,7 +447,8 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	restart := make(chan struct{})
 	s.mu.Lock()
 	s.seq++
-	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts, breach: make(chan error, 1)}
+	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts, breach: make(chan error, 1),
+		applies: map[uint32]bool{s.seq: true}}
 	l.queue = configMessages(s.cfg, s.seq)
 	for _, m := range l.queue {
 		l.queued += sizeOf(m)
@@ -573,6 +597,12 @@ func (s *Supervisor) read(r io.Reader, l *link) error {
 		if err != nil {
 			return err
 		}
+		l.mu.Lock()
+		phase := l.phase
+		l.mu.Unlock()
+		if err := allowed(m, phase); err != nil {
+			return err
+		}
 		switch m := m.(type) {
 		case *Begin, *File, *Data, *Commit:
 			if _, ok := m.(*Begin); ok {
@@ -590,10 +620,14 @@ func (s *Supervisor) read(r io.Reader, l *link) error {
 				s.OnPayload(p)
 			}
 		case *Applied:
-			s.applied(l, m)
+			if err := s.applied(l, m); err != nil {
+				return err
+			}
 		default:
 			if s.OnMessage != nil {
-				s.OnMessage(m)
+				if err := s.OnMessage(m); err != nil {
+					return fmt.Errorf("%w: %w", ErrRefused, err)
+				}
 			}
 		}
 	}
@@ -601,11 +635,19 @@ func (s *Supervisor) read(r io.Reader, l *link) error {
 
 // applied takes the worker's answer to an Apply: from now on its payloads
 // are of that configuration's mounts, and a Configure waiting for it
-// returns.
-func (s *Supervisor) applied(l *link, m *Applied) {
+// returns. An answer to no Apply in flight is a breach.
+func (s *Supervisor) applied(l *link, m *Applied) error {
 	l.mu.Lock()
+	if !l.applies[m.Seq] {
+		l.mu.Unlock()
+		return fmt.Errorf("%w: the worker answered configuration %d, which it was not sent", ErrRefused, m.Seq)
+	}
+	delete(l.applies, m.Seq)
 	if mounts, ok := l.pending[m.Seq]; ok && m.Err == "" {
 		l.mounts = mounts
+	}
+	if m.Err == "" {
+		l.phase = Running
 	}
 	delete(l.pending, m.Seq)
 	l.mu.Unlock()
@@ -622,4 +664,5 @@ func (s *Supervisor) applied(l *link, m *Applied) {
 		}
 		done <- err
 	}
+	return nil
 }

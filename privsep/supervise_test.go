@@ -31,6 +31,27 @@ func testSender() error {
 	conn := WorkerConn()
 	e := NewEncoder(conn)
 	pid := strconv.Itoa(os.Getpid())
+	if mode != "early" {
+		// Its configuration first, as a worker: a report before it is
+		// out of its phase.
+		d := NewDecoder(conn, FromMonitor)
+		for {
+			m, err := d.Decode()
+			if err != nil {
+				return err
+			}
+			if a, ok := m.(*Apply); ok {
+				seq := a.Seq
+				if mode == "unsent" {
+					seq += 1000
+				}
+				if err := e.Encode(&Applied{Seq: seq}); err != nil {
+					return err
+				}
+				break
+			}
+		}
+	}
 	msgs := []func() error{
 		func() error { return e.Encode(&State{Source: "main", Revision: "1"}) },
 		func() error { return e.Encode(&Begin{Mount: "app", Revision: pid, Files: 1}) },
@@ -97,7 +118,7 @@ func supervised(t *testing.T, mode string) *supervision {
 			}
 			revs = append(revs, p.Revision)
 		},
-		OnMessage: func(Message) { record("message") },
+		OnMessage: func(Message) error { record("message"); return nil },
 		OnIdle:    func() { record("idle") },
 		Log:       slog.New(slog.NewTextHandler(sv.logs, nil)),
 	}
@@ -182,6 +203,29 @@ func TestSupervisorStopsAHostileWorker(t *testing.T) {
 	}
 	if s.Refusals() < 1 || s.logs.Count("the worker broke the protocol", `invalid path \"../escape\"`) < 1 {
 		t.Errorf("%d refusals:\n%s", s.Refusals(), s.logs)
+	}
+}
+
+// TestSupervisorKeepsThePhases: a worker that reports before it applied
+// its configuration, or answers a configuration it was not sent, is
+// stopped as one that broke the protocol (requests.go), and nothing it
+// sent is handed on.
+func TestSupervisorKeepsThePhases(t *testing.T) {
+	for mode, want := range map[string]string{
+		"early":  "a *privsep.State while the worker is starting: it may send one once it is running",
+		"unsent": "the worker answered configuration 1001, which it was not sent",
+	} {
+		t.Run(mode, func(t *testing.T) {
+			s := supervised(t, mode)
+			waitFor(t, "a refusal", func() bool { return s.Refusals() >= 1 })
+			s.stop()
+			if s.logs.Count("the worker broke the protocol", want) < 1 {
+				t.Errorf("the refusal does not say %q:\n%s", want, s.logs)
+			}
+			if len(s.revisions()) != 0 || slices.Contains(s.handled(), "message") {
+				t.Errorf("handed on: %v, payloads %v", s.handled(), s.revisions())
+			}
+		})
 	}
 }
 

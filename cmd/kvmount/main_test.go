@@ -85,7 +85,8 @@ prefix = "/apps/app/"
 		t.Errorf("check valid = %d, %q, %q; want 0 and OK", code, out, errOut)
 	}
 	// These machines' kernels offer Landlock (ABI 7) and seccomp.
-	if !strings.Contains(out, "worker: the sources are read by an unprivileged worker, as ") ||
+	if !strings.Contains(out, "worker: the sources are read by unprivileged workers, one per trust domain (1), as ") ||
+		!strings.Contains(out, "domain main (sources main; mounts app):") ||
 		!regexp.MustCompile(`no capability, no_new_privs, Landlock ABI [1-9][0-9]* and a seccomp filter`).MatchString(out) {
 		t.Errorf("check says nothing of the worker's confinement:\n%s", out)
 	}

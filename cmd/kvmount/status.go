@@ -81,13 +81,13 @@ func status(ctx context.Context, configPath string, reg *source.Registry, stdout
 			fmt.Fprintf(stdout, "source %s is down: %s\n", untrusted.Escape(name), firstLine(src.LastError))
 		}
 	}
-	if w := st.Worker; w != nil {
+	for _, w := range st.Workers {
 		if !w.Running {
 			ok = false
-			fmt.Fprintf(stdout, "worker is not running: %s (started %d times; starting it again)\n", firstLine(w.LastEnd), w.Starts)
+			fmt.Fprintf(stdout, "worker of %s is not running: %s (started %d times; starting it again)\n", untrusted.Escape(w.Domain), firstLine(w.LastEnd), w.Starts)
 		}
 		for _, warning := range w.Warnings {
-			fmt.Fprintf(stdout, "worker: %s\n", untrusted.Escape(warning))
+			fmt.Fprintf(stdout, "worker of %s: %s\n", untrusted.Escape(w.Domain), untrusted.Escape(warning))
 		}
 	}
 	for _, ep := range st.Endpoints {

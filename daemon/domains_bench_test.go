@@ -1,0 +1,107 @@
+package daemon
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// BenchmarkWorkersPerDomain measures what a worker per trust domain
+// costs (issue 36): a daemon of `sources` etcd sources and a mount of 10
+// keys on each, its sources in domains of their own (one worker each)
+// and, side by side, joined into one domain by a mount that reads them
+// all (one worker). It reports the time from the start to every mount
+// projected (start-ms), the workers, and the memory at rest of the
+// monitor and its workers together (the sum of their PSS, pss-MiB) and of
+// each worker (pss-worker-MiB, their mean).
+func BenchmarkWorkersPerDomain(b *testing.B) {
+	for _, sources := range []int{1, 4, 8} {
+		for _, layout := range []string{"own", "joined"} {
+			if sources == 1 && layout == "joined" {
+				continue
+			}
+			b.Run(fmt.Sprintf("sources=%d/domains=%s", sources, layout), func(b *testing.B) {
+				benchDomains(b, sources, layout == "joined")
+			})
+		}
+	}
+}
+
+func benchDomains(b *testing.B, sources int, joined bool) {
+	bin := buildKvmount(b)
+	store := etcdStore(b)
+	for s := range sources {
+		var kv []string
+		for k := range 10 {
+			kv = append(kv, fmt.Sprintf("/dom/s%d/key-%d", s, k), "value")
+		}
+		store.seed(kv)
+	}
+	var start time.Duration
+	var pss, workerPSS int64
+	var workers int
+	for range b.N {
+		base := b.TempDir()
+		var cfg strings.Builder
+		fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s", filepath.Join(base, "state"), noAdmin(b, bin))
+		for s := range sources {
+			fmt.Fprintf(&cfg, "[sources.s%d]\n%s", s, store.source)
+		}
+		for s := range sources {
+			fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%d\"\ndir = %q\nsource = \"s%d\"\nprefix = \"/dom/s%d/\"\n", s, filepath.Join(base, "mnt", fmt.Sprintf("m%d", s)), s, s)
+		}
+		if joined {
+			fmt.Fprintf(&cfg, "[[mount]]\nname = \"all\"\ndir = %q\n", filepath.Join(base, "mnt", "all"))
+			for s := range sources {
+				fmt.Fprintf(&cfg, "  [[mount.projections]]\n  source = \"s%d\"\n  prefix = \"/dom/s%d/\"\n  items = [{ key = \"key-0\", path = \"s%d\" }]\n", s, s, s)
+			}
+		}
+		configPath := filepath.Join(base, "kvmount.toml")
+		if err := os.WriteFile(configPath, []byte(cfg.String()), 0o644); err != nil {
+			b.Fatal(err)
+		}
+		t0 := time.Now()
+		cmd := exec.Command(bin, "run", "-config", configPath)
+		cmd.Stderr = io.Discard
+		if err := cmd.Start(); err != nil {
+			b.Fatal(err)
+		}
+		for s := sources - 1; s >= 0; {
+			if _, err := os.Stat(filepath.Join(base, "mnt", fmt.Sprintf("m%d", s), "key-9")); err == nil {
+				s--
+				continue
+			}
+			if time.Since(t0) > time.Minute {
+				b.Fatalf("mount m%d never projected", s)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		start += time.Since(t0)
+		// At rest: past the first garbage collections.
+		time.Sleep(5 * time.Second)
+		children := childPIDs(b, cmd.Process.Pid)
+		total := processMemory(b, cmd.Process.Pid)["Pss"]
+		var own int64
+		for _, c := range children {
+			p := processMemory(b, c)["Pss"]
+			total += p
+			own += p
+		}
+		pss += total
+		workerPSS += own / int64(max(len(children), 1))
+		workers = len(children)
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		_ = cmd.Wait()
+	}
+	n := float64(b.N)
+	b.ReportMetric(start.Seconds()*1000/n, "start-ms")
+	b.ReportMetric(float64(workers), "workers")
+	b.ReportMetric(float64(pss)/n/(1<<20), "pss-MiB")
+	b.ReportMetric(float64(workerPSS)/n/(1<<20), "pss-worker-MiB")
+}

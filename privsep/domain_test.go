@@ -1,0 +1,85 @@
+package privsep
+
+import (
+	"maps"
+	"os"
+	"path/filepath"
+	"reflect"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/kvmount/kvmount/config"
+)
+
+// TestDomains: the trust domains are the connected components of the
+// sources and the mounts that project them; a source no mount uses is a
+// domain of its own.
+func TestDomains(t *testing.T) {
+	mount := func(name string, sources ...string) *config.Mount {
+		m := &config.Mount{Name: name}
+		for _, s := range sources {
+			m.Projections = append(m.Projections, config.Projection{Source: s})
+		}
+		return m
+	}
+	got := Domains([]*config.Mount{mount("a", "s1"), mount("b", "s2"), mount("c", "s3", "s2"), mount("d", "s5", "s3"), mount("e", "s1")},
+		[]string{"s1", "s2", "s3", "s4", "s5"})
+	want := map[string]Domain{
+		"s1":       {Name: "s1", Sources: []string{"s1"}, Mounts: []string{"a", "e"}},
+		"s2+s3+s5": {Name: "s2+s3+s5", Sources: []string{"s2", "s3", "s5"}, Mounts: []string{"b", "c", "d"}},
+		"s4":       {Name: "s4", Sources: []string{"s4"}},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("Domains = %+v\nwant %+v", got, want)
+	}
+}
+
+// TestDomainConfiguration: a domain's worker is given the text of its
+// sources and mounts alone, and the files that text names — never
+// another domain's credential file.
+func TestDomainConfiguration(t *testing.T) {
+	dir := t.TempDir()
+	one, two := filepath.Join(dir, "one.token"), filepath.Join(dir, "two.token")
+	for _, f := range []string{one, two} {
+		if err := os.WriteFile(f, []byte("secret of "+f), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	kinds := map[string]config.SourceDecoder{"fake": func(sec *config.Section) any {
+		return sec.SecretFile("token_file")
+	}}
+	text := "[sources.one]\ntype = \"fake\"\ntoken_file = \"" + one + "\"\n" +
+		"[sources.two]\ntype = \"fake\"\ntoken_file = \"" + two + "\"\n" +
+		"[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"one\"\n" +
+		"[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"two\"\n"
+	rec := &config.Recorder{}
+	cfg, err := config.ParseWith("/etc/kvmount/kvmount.toml", []byte(text), kinds, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inputs := rec.Recorded()
+	inputs[cfg.Path] = cfg.Text
+	domains := ConfigDomains(cfg)
+	c, part, err := DomainConfiguration(cfg, inputs, kinds, domains["one"])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if names := slices.Sorted(maps.Keys(c.Inputs)); !slices.Equal(names, []string{cfg.Path, one}) {
+		t.Errorf("domain one is given %v; want the configuration and %s", names, one)
+	}
+	if strings.Contains(string(c.Inputs[cfg.Path]), two) || strings.Contains(string(c.Inputs[cfg.Path]), "/srv/b") {
+		t.Errorf("domain one's configuration names domain two's:\n%s", c.Inputs[cfg.Path])
+	}
+	if len(part.Mounts) != 1 || part.Mounts[0].Name != "a" || len(c.Mounts) != 1 || c.Mounts["a"].MaxFiles == 0 {
+		t.Errorf("domain one's mounts: %+v, limits %+v", part.Mounts, c.Mounts)
+	}
+	if got := domains["one"].Of(cfg); len(got.Sources) != 1 || got.Sources["one"] == nil || len(got.Mounts) != 1 {
+		t.Errorf("Of: %+v", got)
+	}
+	// A file the monitor did not read is an error, not a silent gap.
+	delete(inputs, one)
+	if _, _, err := DomainConfiguration(cfg, inputs, kinds, domains["one"]); err == nil {
+		t.Error("no error for a share whose file the monitor did not read")
+	}
+}
