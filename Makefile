@@ -13,7 +13,7 @@ MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
 PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
 PKG_ARCHS   ?= amd64 arm64
 
-.PHONY: help build test fmt vet staticcheck consul-agent vault-server demo bench bench-baseline bench-fleet package clean
+.PHONY: help build test fmt vet staticcheck outputs consul-agent vault-server demo bench bench-baseline bench-fleet package clean
 
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -21,7 +21,7 @@ help: ## list the targets
 build: ## build bin/kvmount
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
-test: fmt vet staticcheck ## check formatting, vet, staticcheck, and run every test with the race detector (builds a Consul agent, an etcd server, consul-template and a Vault server once)
+test: fmt vet staticcheck outputs ## check formatting, vet, staticcheck, that no build output is committed, and run every test with the race detector (builds a Consul agent, an etcd server, consul-template and a Vault server once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
 		etcd=$$(scripts/etcd-server.sh) && echo "etcd server: $$etcd" && \
 		ct=$$(scripts/consul-template.sh) && echo "consul-template: $$ct" && \
@@ -36,6 +36,11 @@ vault-server: ## build (once) and print the Vault server the tests run (a test s
 
 fmt: ## fail if gofmt would change a file
 	@files=$$(gofmt -l .); if [ -n "$$files" ]; then echo "gofmt would change:"; echo "$$files"; exit 1; fi
+
+outputs: ## fail if a build output (an ELF executable) is tracked by git
+	@git rev-parse --git-dir >/dev/null 2>&1 || exit 0; \
+		bad=$$(git ls-files -z | xargs -0 -r sh -c 'for f; do [ -f "$$f" ] && [ "$$(head -c 4 "$$f" | od -An -c | tr -d " \n")" = "177ELF" ] && echo "$$f"; done; true' sh); \
+		if [ -n "$$bad" ]; then echo "build outputs are tracked (git rm --cached them):"; echo "$$bad"; exit 1; fi
 
 vet: ## go vet
 	$(GO) vet ./...
