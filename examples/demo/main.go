@@ -53,16 +53,18 @@ func main() {
 	daemon.MaybeWorker(registry())
 	keep := flag.Bool("keep", false, "keep the demo directory at the end")
 	flag.Parse()
-	if err := run(*keep); err != nil {
+	if _, err := run(*keep); err != nil {
 		fmt.Fprintln(os.Stderr, "demo:", err)
 		os.Exit(1)
 	}
 }
 
-func run(keep bool) error {
+// run runs the demo; it returns how long after the write started the
+// mount switched to the new version.
+func run(keep bool) (switched time.Duration, _ error) {
 	base, err := os.MkdirTemp("", "kvmount-demo-")
 	if err != nil {
-		return err
+		return 0, err
 	}
 	if !keep {
 		defer os.RemoveAll(base)
@@ -70,12 +72,12 @@ func run(keep bool) error {
 	fmt.Println("== starting an in-process etcd")
 	srv, err := embedetcd.Start(filepath.Join(base, "etcd"), embedetcd.Options{Fsync: true})
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer srv.Stop()
 	cli, err := srv.Client()
 	if err != nil {
-		return err
+		return 0, err
 	}
 	defer cli.Close()
 
@@ -85,14 +87,14 @@ func run(keep bool) error {
 		"/apps/app/tls/cert.pem", "-----BEGIN CERTIFICATE-----\n(demo)\n-----END CERTIFICATE-----\n",
 		"/apps/app/feature-flags", "dark_mode=off\n",
 	); err != nil {
-		return err
+		return 0, err
 	}
 
 	dir := filepath.Join(base, "run", "app", "config")
 	configPath := filepath.Join(base, "kvmount.toml")
 	config := fmt.Sprintf(configTemplate, filepath.Join(base, "state"), srv.Endpoint(), dir)
 	if err := os.WriteFile(configPath, []byte(config), 0o644); err != nil {
-		return err
+		return 0, err
 	}
 	fmt.Printf("== running kvmount with %s:\n%s\n", configPath, indent(config))
 
@@ -112,12 +114,17 @@ func run(keep bool) error {
 
 	if err := waitFor(filepath.Join(dir, "app.conf"), "listen = 8080\nlog_level = info\n"); err != nil {
 		stop()
-		return err
+		return 0, err
 	}
 	fmt.Printf("\n== the mount, as projected (%s):\n", dir)
 	printTree(dir)
 
 	fmt.Println("\n== changing app.conf and deleting feature-flags in one transaction")
+	before, err := os.Readlink(filepath.Join(dir, "..data"))
+	if err != nil {
+		stop()
+		return 0, err
+	}
 	start := time.Now()
 	_, err = cli.Txn(context.Background()).Then(
 		clientv3.OpPut("/apps/app/app.conf", "listen = 8080\nlog_level = debug\n"),
@@ -125,32 +132,39 @@ func run(keep bool) error {
 	).Commit()
 	if err != nil {
 		stop()
-		return err
+		return 0, err
 	}
+	after, err := waitSwitch(dir, before)
+	if err != nil {
+		stop()
+		return 0, err
+	}
+	switched = time.Since(start)
+	fmt.Printf("   readers see the new version %v after the write started: ..data now points to %s\n", switched.Round(time.Microsecond), after)
 	if err := waitFor(filepath.Join(dir, "app.conf"), "listen = 8080\nlog_level = debug\n"); err != nil {
 		stop()
-		return err
+		return 0, err
 	}
 	if err := waitGone(filepath.Join(dir, "feature-flags")); err != nil {
 		stop()
-		return err
+		return 0, err
 	}
+	fmt.Printf("\n== the mount after the change (one new version, switched by one rename of ..data; the replaced %s\n   stays for keep_replaced, 5 s, for readers that resolved ..data just before the switch):\n", before)
+	printTree(dir)
 	if err := waitOneVersion(dir); err != nil {
 		stop()
-		return err
+		return 0, err
 	}
-	fmt.Printf("   visible in the directory %v after the write started\n", time.Since(start).Round(time.Microsecond))
-	fmt.Println("\n== the mount after the change (one new version, switched by one rename of ..data):")
-	printTree(dir)
+	fmt.Printf("   the replaced version %s removed %v after the switch (keep_replaced)\n", before, (time.Since(start) - switched).Round(time.Millisecond))
 
 	if err := stop(); err != nil {
-		return err
+		return 0, err
 	}
 	if keep {
 		fmt.Printf("\n== kept %s\n", base)
 	}
 	fmt.Println("\n== done")
-	return nil
+	return switched, nil
 }
 
 func put(cli *clientv3.Client, kv ...string) error {
@@ -186,6 +200,19 @@ func waitGone(path string) error {
 		time.Sleep(time.Millisecond)
 	}
 	return fmt.Errorf("%s still exists after %v", path, waitTimeout)
+}
+
+// waitSwitch waits until dir's ..data no longer points to before, and
+// returns what it points to then.
+func waitSwitch(dir, before string) (string, error) {
+	deadline := time.Now().Add(waitTimeout)
+	for time.Now().Before(deadline) {
+		if now, err := os.Readlink(filepath.Join(dir, "..data")); err == nil && now != before {
+			return now, nil
+		}
+		time.Sleep(100 * time.Microsecond)
+	}
+	return "", fmt.Errorf("%s/..data still points to %s after %v", dir, before, waitTimeout)
 }
 
 // waitOneVersion waits until the previous version directory is removed,

@@ -4,6 +4,7 @@ import (
 	"os"
 	"testing"
 
+	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/daemon"
 )
 
@@ -13,9 +14,15 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// TestDemo runs the demo as make demo does: it must succeed.
+// TestDemo runs the demo as make demo does: it must succeed, and the time
+// it reports is the switch's — what readers see —, not the removal of the
+// replaced version after its 5 s grace (issue 37, 7).
 func TestDemo(t *testing.T) {
-	if err := run(false); err != nil {
+	switched, err := run(false)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if switched <= 0 || switched >= config.DefaultKeepReplaced {
+		t.Errorf("the demo reports the change %v after the write; want the switch, before keep_replaced (%v) ends", switched, config.DefaultKeepReplaced)
 	}
 }
