@@ -107,7 +107,7 @@ func TestCompactionRecovery(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.waitContent(dir, map[string]string{"keep": "1", "new": "3"})
-	h.waitLog("re-reading prefix", "compacted")
+	h.waitLog("re-reading", "compacted")
 	h.put("/c/after", "4")
 	h.waitContent(dir, map[string]string{"keep": "1", "new": "3", "after": "4"})
 }

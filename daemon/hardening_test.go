@@ -39,7 +39,7 @@ func TestEtcdLostItsData(t *testing.T) {
 	h.put("/w/b", "after")
 	h.waitContentWithin(dir, map[string]string{"b": "after"}, 10*time.Second)
 	t.Logf("the write after the wipe reached the mount in %v", time.Since(start))
-	h.waitLog("re-reading prefix", "revision went back")
+	h.waitLog("re-reading", "revision went back")
 }
 
 // waitContentWithin is waitContent with a shorter bound.

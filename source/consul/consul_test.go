@@ -512,9 +512,9 @@ func TestPartition(t *testing.T) {
 		{"split twice", []string{"x/a/1/", "x/a/2/", "x/b/"}, []string{"x/a/1/", "x/a/2/", "x/b/"}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			got := partition(c.prefixes, maxQueries)
+			got := source.Partition(c.prefixes, maxQueries)
 			if !slices.Equal(got, c.want) {
-				t.Errorf("partition(%q) = %q; want %q", c.prefixes, got, c.want)
+				t.Errorf("Partition(%q) = %q; want %q", c.prefixes, got, c.want)
 			}
 			for _, p := range c.prefixes {
 				n := 0

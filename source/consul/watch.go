@@ -24,7 +24,7 @@ import (
 // client, which one query per prefix (or per key, as consul-template does)
 // reaches at about 200 prefixes.
 //
-// The groups come from the prefixes' trie (partition): prefixes that share
+// The groups come from the prefixes' trie (source.Partition): prefixes that share
 // less go to different queries, as long as there are queries to spare. A
 // VM that follows "fleet/shared/" and "fleet/vm0042/" runs two queries,
 // not one on "fleet/" that every other VM's keys would wake and fill; a
@@ -86,7 +86,7 @@ func (s *Source) join(prefix string, pub source.Publisher) *follower {
 	if l := s.listingFor(prefix); l != nil {
 		s.deliver(st, l, rangeOf(l.pairs, prefix))
 	}
-	if _, ok := coveringGroup(s.groups, prefix); !ok && s.regroup != nil {
+	if _, ok := source.CoveringGroup(s.groups, prefix); !ok && s.regroup != nil {
 		s.regroup()
 	}
 	return st
@@ -101,7 +101,7 @@ func (s *Source) leave(st *follower) {
 	s.fanout.Leave(st.fl) // before grouping anew, which reads the fanout's prefixes
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if g, ok := coveringGroup(s.groups, st.prefix); ok && s.regroup != nil && !s.groupFollowed(g) {
+	if g, ok := source.CoveringGroup(s.groups, st.prefix); ok && s.regroup != nil && !s.groupFollowed(g) {
 		s.regroup()
 	}
 }
@@ -121,91 +121,10 @@ func (s *Source) followersIn(g string) (lo, hi int) {
 	return lo, hi
 }
 
-// coveringGroup returns the prefix in groups that prefix starts with, if
-// any. Groups never start with one another, so there is at most one.
-func coveringGroup(groups []string, prefix string) (string, bool) {
-	for _, g := range groups {
-		if strings.HasPrefix(prefix, g) {
-			return g, true
-		}
-	}
-	return "", false
-}
-
-// partition returns the prefixes of at most max queries that cover
-// prefixes, sorted: each query reads the longest prefix its group has in
-// common, and no query's prefix starts with another's, so each prefix has
-// exactly one. It starts from one group and splits the largest group that
-// can be split — by the byte after its common prefix, unless one of its
-// prefixes is that common prefix — while the split keeps the count within
-// max.
-func partition(prefixes []string, max int) []string {
-	prefixes = slices.Clone(prefixes)
-	slices.Sort(prefixes)
-	prefixes = slices.Compact(prefixes)
-	if len(prefixes) == 0 {
-		return nil
-	}
-	type group struct {
-		members []string // sorted
-		common  string
-		final   bool
-	}
-	groups := []group{{members: prefixes, common: commonPrefix(prefixes)}}
-	for {
-		best := -1
-		for i, g := range groups {
-			if !g.final && len(g.members) > 1 && (best < 0 || len(g.members) > len(groups[best].members)) {
-				best = i
-			}
-		}
-		if best < 0 {
-			break
-		}
-		g := groups[best]
-		if g.members[0] == g.common { // sorted: the common prefix comes first
-			groups[best].final = true
-			continue
-		}
-		var parts []group
-		for lo := 0; lo < len(g.members); {
-			b := g.members[lo][len(g.common)]
-			hi := lo + 1
-			for hi < len(g.members) && g.members[hi][len(g.common)] == b {
-				hi++
-			}
-			parts = append(parts, group{members: g.members[lo:hi], common: commonPrefix(g.members[lo:hi])})
-			lo = hi
-		}
-		if len(groups)-1+len(parts) > max {
-			groups[best].final = true
-			continue
-		}
-		groups = slices.Replace(groups, best, best+1, parts...)
-	}
-	out := make([]string, len(groups))
-	for i, g := range groups {
-		out[i] = g.common
-	}
-	slices.Sort(out)
-	return out
-}
-
-// commonPrefix returns the longest prefix of the sorted strings ss: that of
-// the first and the last.
-func commonPrefix(ss []string) string {
-	first, last := ss[0], ss[len(ss)-1]
-	n := 0
-	for n < len(first) && n < len(last) && first[n] == last[n] {
-		n++
-	}
-	return first[:n]
-}
-
 // listingFor returns the listing of the query that covers prefix, or nil
 // before it has answered. Callers hold s.mu.
 func (s *Source) listingFor(prefix string) *listing {
-	g, ok := coveringGroup(s.groups, prefix)
+	g, ok := source.CoveringGroup(s.groups, prefix)
 	if !ok {
 		return nil
 	}
@@ -317,7 +236,7 @@ func (s *Source) watch(ctx context.Context) {
 		defer probing.Wait()
 	}
 	for ctx.Err() == nil {
-		groups := partition(s.fanout.Prefixes(), maxQueries)
+		groups := source.Partition(s.fanout.Prefixes(), maxQueries)
 		gctx, cancel := context.WithCancel(ctx)
 		s.mu.Lock()
 		s.groups, s.regroup = groups, cancel
@@ -335,7 +254,7 @@ func (s *Source) watch(ctx context.Context) {
 		// A follower that joined after the partition and checked the
 		// groups before they were set is not covered: group again.
 		for _, p := range s.fanout.Prefixes() {
-			if _, ok := coveringGroup(groups, p); !ok {
+			if _, ok := source.CoveringGroup(groups, p); !ok {
 				cancel()
 			}
 		}

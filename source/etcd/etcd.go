@@ -89,6 +89,17 @@ type Source struct {
 	// refused is the error of the last connection the peer_user check
 	// refused, nil once one passes: an unreachable etcd is reported with it.
 	refused atomic.Pointer[error]
+
+	// Watch mode (group.go): the members, one per Follow, sorted by
+	// prefix; the groups, one watch each, by prefix; the pending
+	// regrouping; the group prefixes whose watch authorization refused;
+	// closed once Close ran.
+	gmu             sync.Mutex
+	members         []*member
+	groups          map[string]*group
+	regrouping      *time.Timer
+	refusedPrefixes []string
+	closed          bool
 }
 
 var _ source.Source = (*Source)(nil)
@@ -99,11 +110,23 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if len(cfg.Endpoints) == 0 {
 		return nil, errors.New("source/etcd: no endpoints")
 	}
-	return &Source{name: name, cfg: cfg, log: log}, nil
+	return &Source{name: name, cfg: cfg, log: log, groups: map[string]*group{}}, nil
 }
 
-// Close closes the client.
+// Close stops the watches and closes the client.
 func (s *Source) Close() error {
+	s.gmu.Lock()
+	s.closed = true
+	if s.regrouping != nil {
+		s.regrouping.Stop()
+	}
+	groups := s.groups
+	s.groups = map[string]*group{}
+	s.gmu.Unlock()
+	for _, g := range groups {
+		g.cancel()
+		<-g.done
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.client == nil {
@@ -131,26 +154,32 @@ var testHookAfterPage func()
 var errResync = errors.New("source/etcd: resync")
 
 // Follow reads prefix and follows it until ctx is done; see source.Source.
-// In watch mode it reads the prefix at one revision, then watches from the
-// next with WithRequireLeader, so that a member that lost its leader ends the
-// watch instead of hanging; a compacted or cancelled watch is replaced by a
-// fresh read, and keys deleted meanwhile disappear because each read is a
-// full snapshot. While the connection is in transient failure the prefix is
-// reported stale. In poll mode it re-reads every poll interval (±10 %).
+// In watch mode it joins the watch of the group of prefixes that covers
+// it (group.go): its prefix is read at one revision with the group's
+// others, then followed from the group's watch, started from that
+// revision with WithRequireLeader, so that a member that lost its leader
+// ends the watch instead of hanging; a compacted or cancelled watch is
+// replaced by a fresh read, and keys deleted meanwhile disappear because
+// each read is a full snapshot. While the connection is in transient
+// failure the prefix is reported stale. In poll mode it re-reads every
+// poll interval (±10 %).
 //
 // Every response header (reads, watch responses, progress notifications,
 // and a one-key read made each time the connection becomes ready again)
 // is compared with the last one: a revision lower than one already seen,
 // or a different cluster ID, means etcd lost its data or was restored from
 // a snapshot without --bump-revision. The watch would then wait silently
-// for a revision the new store reaches only much later, so the prefix is
-// read again and watched from the new revision.
+// for a revision the new store reaches only much later, so the prefixes
+// are read again and watched from the new revision.
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
+	if s.cfg.ChangeDetection != Poll {
+		return s.followWatched(ctx, prefix, pub)
+	}
 	f := &follower{src: s, prefix: prefix, pub: pub, log: s.log.With("prefix", prefix)}
 	return f.run(ctx)
 }
 
-// follower is one Follow's state.
+// follower is one Follow's state in poll mode.
 type follower struct {
 	src    *Source
 	prefix string
@@ -160,30 +189,6 @@ type follower struct {
 	// lastOversized its keys whose values were not kept.
 	last          map[string][]byte
 	lastOversized map[string]int64
-	// seen is the highest revision and cluster is the cluster ID seen in
-	// a response header since the last read; 0 before the first.
-	seen    int64
-	cluster uint64
-}
-
-// observe checks a response header against what was seen before. It
-// returns an error wrapping errResync when the revision went backwards or
-// the cluster ID changed.
-func (f *follower) observe(h *etcdserverpb.ResponseHeader) error {
-	if h == nil || h.Revision == 0 {
-		return nil
-	}
-	switch {
-	case f.cluster != 0 && h.ClusterId != 0 && h.ClusterId != f.cluster:
-		return fmt.Errorf("%w: etcd cluster ID changed from %x to %x (a new or restored cluster)", errResync, f.cluster, h.ClusterId)
-	case h.Revision < f.seen:
-		return fmt.Errorf("%w: etcd revision went back from %d to %d (data lost, or restored from a snapshot without --bump-revision)", errResync, f.seen, h.Revision)
-	}
-	f.seen = h.Revision
-	if h.ClusterId != 0 {
-		f.cluster = h.ClusterId
-	}
-	return nil
 }
 
 func (f *follower) run(ctx context.Context) error {
@@ -209,33 +214,26 @@ func (f *follower) run(ctx context.Context) error {
 	}
 }
 
-// cycle reads the prefix once and publishes it, then either watches it
-// until the watch ends or, in poll mode, waits one poll interval.
+// cycle reads the prefix once and publishes it, then waits one poll
+// interval.
 func (f *follower) cycle(ctx context.Context) error {
-	cli, mon, err := f.src.connect()
+	cli, _, err := f.src.connect()
 	if err != nil {
 		return err
 	}
-	if err := f.ready(ctx, cli); err != nil {
+	if err := f.src.ready(ctx, cli); err != nil {
 		return err
 	}
-	lim := f.pub.Limits()
-	entries, oversized, rev, err := f.list(ctx, cli, lim)
+	entries, oversized, h, err := listPrefix(ctx, cli, f.prefix, f.pub.Limits(), 0)
 	if errors.Is(err, rpctypes.ErrCompacted) {
 		return fmt.Errorf("%w: revision compacted during read", errResync)
 	}
 	if err != nil {
 		return err
 	}
-	f.publish(entries, oversized, rev)
-	if testHookAfterList != nil {
-		testHookAfterList()
-	}
-	if f.src.cfg.ChangeDetection == Poll {
-		source.Sleep(ctx, source.Jitter(f.src.cfg.PollInterval))
-		return nil
-	}
-	return f.watch(ctx, cli, mon, lim, entries, oversized, rev)
+	f.publish(entries, oversized, h.Revision)
+	source.Sleep(ctx, source.Jitter(f.src.cfg.PollInterval))
+	return nil
 }
 
 // publish delivers entries and oversized (the keys whose values were not
@@ -253,9 +251,9 @@ func (f *follower) publish(entries map[string][]byte, oversized map[string]int64
 // ready waits up to the dial timeout for the client's connection, so that
 // an unreachable etcd is reported after dial_timeout rather than when a
 // read that waits for the connection times out.
-func (f *follower) ready(ctx context.Context, cli *clientv3.Client) error {
+func (s *Source) ready(ctx context.Context, cli *clientv3.Client) error {
 	conn := cli.ActiveConnection()
-	wctx, cancel := context.WithTimeout(ctx, f.src.cfg.DialTimeout)
+	wctx, cancel := context.WithTimeout(ctx, s.cfg.DialTimeout)
 	defer cancel()
 	for state := conn.GetState(); state != connectivity.Ready; state = conn.GetState() {
 		if state == connectivity.Idle {
@@ -265,10 +263,10 @@ func (f *follower) ready(ctx context.Context, cli *clientv3.Client) error {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			if refused := f.src.refused.Load(); refused != nil {
-				return fmt.Errorf("source/etcd: %s unreachable: %w", strings.Join(f.src.cfg.Endpoints, ","), *refused)
+			if refused := s.refused.Load(); refused != nil {
+				return fmt.Errorf("source/etcd: %s unreachable: %w", strings.Join(s.cfg.Endpoints, ","), *refused)
 			}
-			return fmt.Errorf("source/etcd: %s unreachable: no connection within %v", strings.Join(f.src.cfg.Endpoints, ","), f.src.cfg.DialTimeout)
+			return fmt.Errorf("source/etcd: %s unreachable: no connection within %v", strings.Join(s.cfg.Endpoints, ","), s.cfg.DialTimeout)
 		}
 	}
 	return nil
@@ -282,8 +280,9 @@ func span(prefix string) (key, end string) {
 	return prefix, clientv3.GetPrefixRangeEnd(prefix)
 }
 
-// list reads every key under the prefix at one revision, in pages, and
-// returns them relative to the prefix with that revision, bounded by lim
+// listPrefix reads every key under prefix at one revision — rev, or the
+// latest when rev is 0 — in pages, and returns them relative to prefix
+// with the header of the read that pinned the revision, bounded by lim
 // (what the mounts following the prefix take at most): a value over
 // lim.MaxValueSize is not kept but its key and size go to oversized; a
 // prefix of more keys than lim.MaxKeys is refused after a request for its
@@ -291,8 +290,8 @@ func span(prefix string) (key, end string) {
 // is read; one of more bytes of values than lim.MaxBytes as soon as a page
 // passes them; both with an error wrapping source.ErrOverLimits. A page holds pageSize keys, fewer when lim bounds
 // the values: as many as pageBudget bytes hold at lim.MaxValueSize.
-func (f *follower) list(ctx context.Context, cli *clientv3.Client, lim source.Limits) (entries map[string][]byte, oversized map[string]int64, rev int64, err error) {
-	key, end := span(f.prefix)
+func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim source.Limits, rev int64) (entries map[string][]byte, oversized map[string]int64, header *etcdserverpb.ResponseHeader, err error) {
+	key, end := span(prefix)
 	page := int64(pageSize)
 	if lim.MaxValueSize > 0 {
 		page = max(1, min(page, pageBudget/(lim.MaxValueSize+1024)))
@@ -301,16 +300,22 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client, lim source.Li
 	if lim.MaxKeys > 0 {
 		// The count alone first, pinning the revision: a prefix over the
 		// limit is refused before any value is read.
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithCountOnly()}
+		if rev > 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
 		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
-		resp, err := cli.Get(rctx, key, clientv3.WithRange(end), clientv3.WithCountOnly())
+		resp, err := cli.Get(rctx, key, opts...)
 		cancel()
 		if err != nil {
-			return nil, nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
+			return nil, nil, nil, fmt.Errorf("source/etcd: read %s: %w", prefix, err)
 		}
-		rev = resp.Header.Revision
-		f.seen, f.cluster = rev, resp.Header.ClusterId
+		if rev == 0 {
+			rev = resp.Header.Revision
+		}
+		header = resp.Header
 		if err := lim.Check(int(resp.Count), 0); err != nil {
-			return nil, nil, 0, fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
+			return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 		}
 		entries = make(map[string][]byte, min(resp.Count, 4*pageSize))
 	}
@@ -323,22 +328,25 @@ func (f *follower) list(ctx context.Context, cli *clientv3.Client, lim source.Li
 		resp, err := cli.Get(rctx, key, opts...)
 		cancel()
 		if err != nil {
-			return nil, nil, 0, fmt.Errorf("source/etcd: read %s: %w", f.prefix, err)
+			return nil, nil, nil, fmt.Errorf("source/etcd: read %s: %w", prefix, err)
 		}
-		if rev == 0 {
-			rev = resp.Header.Revision
-			// A read is the new truth: whatever was seen before.
-			f.seen, f.cluster = rev, resp.Header.ClusterId
+		if header == nil {
+			header = resp.Header
+		}
+		if entries == nil {
+			if rev == 0 {
+				rev = resp.Header.Revision
+			}
 			// Sized once for the whole range (Count, at most what a
 			// few pages hold) rather than grown key by key.
 			entries = make(map[string][]byte, min(resp.Count, 4*pageSize))
 		}
-		kept += addPacked(entries, &oversized, f.prefix, resp.Kvs, lim)
+		kept += addPacked(entries, &oversized, prefix, resp.Kvs, lim)
 		if err := lim.Check(len(entries)+len(oversized), kept); err != nil {
-			return nil, nil, 0, fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
+			return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return entries, oversized, rev, nil
+			return entries, oversized, header, nil
 		}
 		if testHookAfterPage != nil {
 			testHookAfterPage()
@@ -396,84 +404,6 @@ func addPacked(entries map[string][]byte, oversized *map[string]int64, prefix st
 		k, v = k+kn, v+vn
 	}
 	return int64(valueBytes)
-}
-
-// watch follows the prefix from rev, the revision read, publishing once per
-// watch response,
-// until the watch ends. It always returns an error saying why.
-//
-// Events are folded under lim as list reads (apply): a prefix that grows
-// past lim's keys or bytes ends the watch with an error wrapping
-// source.ErrOverLimits, and is read again after a backoff.
-func (f *follower) watch(ctx context.Context, cli *clientv3.Client, mon *monitor, lim source.Limits, entries map[string][]byte, oversized map[string]int64, rev int64) error {
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-	defer cancel()
-	// The monitor hands the header of each reconnect probe to this loop,
-	// which alone reads and writes f.seen and f.cluster.
-	sub := mon.subscribe(f.prefix, f.pub)
-	defer mon.unsubscribe(sub)
-
-	// From rev, not rev+1 (etcd's mirror): the events of rev are in the
-	// snapshot already and change nothing when folded in again, and a
-	// watch whose start revision is not beyond the store's is one etcd
-	// answers progress requests for — on an idle store, one from rev+1
-	// would never be answered, and the stall detection (stall.go) could
-	// not tell it from a frozen member.
-	key, end := span(f.prefix)
-	// WithCreatedNotify: the member's answer to the creation tells the
-	// stall detection which member serves the watch before any event.
-	wch := cli.Watch(wctx, key, clientv3.WithRange(end), clientv3.WithRev(rev), clientv3.WithProgressNotify(), clientv3.WithCreatedNotify())
-	for {
-		var resp clientv3.WatchResponse
-		var ok bool
-		select {
-		case h := <-sub.probes:
-			if err := f.observe(h); err != nil {
-				return err
-			}
-			continue
-		case err := <-sub.stall:
-			// A new stream, on another member if the monitor could
-			// avoid this one: a read and a watch from scratch.
-			return fmt.Errorf("%w: %w", errResync, err)
-		case resp, ok = <-wch:
-		}
-		if !ok {
-			break
-		}
-		if sub.hear(resp.Header.MemberId) {
-			f.log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
-			f.pub.Status(nil)
-		}
-		if err := f.observe(&resp.Header); err != nil {
-			return err
-		}
-		if err := resp.Err(); err != nil {
-			if errors.Is(err, rpctypes.ErrCompacted) {
-				return fmt.Errorf("%w: watch compacted at revision %d", errResync, resp.CompactRevision)
-			}
-			return fmt.Errorf("source/etcd: watch %s: %w", f.prefix, err)
-		}
-		if resp.Canceled {
-			return fmt.Errorf("%w: watch cancelled by the server", errResync)
-		}
-		if resp.Created || resp.IsProgressNotify() {
-			f.pub.Status(nil)
-			continue
-		}
-		if next, nextOversized, changed := apply(entries, oversized, f.prefix, resp.Events, lim); changed {
-			if err := lim.Check(len(next)+len(nextOversized), valueBytes(next)); err != nil {
-				return fmt.Errorf("source/etcd: %s: %w", f.prefix, err)
-			}
-			entries, oversized = next, nextOversized
-			f.last, f.lastOversized = entries, oversized
-			f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(resp.Header.Revision, 10), Missing: len(entries)+len(oversized) == 0, Entries: entries, Oversized: oversized})
-		}
-	}
-	if ctx.Err() != nil {
-		return ctx.Err()
-	}
-	return fmt.Errorf("%w: watch channel closed", errResync)
 }
 
 // apply folds events into copies of entries and oversized (the keys whose

@@ -12,8 +12,6 @@ import (
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/grpc/connectivity"
-
-	"github.com/kvmount/kvmount/source"
 )
 
 // monitor watches the connection of a Source's client, and the progress of
@@ -51,10 +49,18 @@ type monitor struct {
 	statusProbes     atomic.Int64
 }
 
+// statusReporter is what a subscriber reports the connection's state and
+// its stalls to: the prefixes of its watch (a group, group.go).
+type statusReporter interface {
+	Status(err error)
+}
+
 // subscriber is one watch's interest in the connection.
 type subscriber struct {
+	// prefix is read by the probe after a reconnect: one its user may
+	// read.
 	prefix string
-	pub    source.Publisher
+	pub    statusReporter
 	// probes receives the header of the read made after each reconnect;
 	// it holds one, the newest.
 	probes chan *etcdserverpb.ResponseHeader
@@ -120,7 +126,7 @@ func (m *monitor) stop() {
 
 // subscribe registers a watch of prefix that publishes to pub, and tells
 // pub the connection's state as last seen.
-func (m *monitor) subscribe(prefix string, pub source.Publisher) *subscriber {
+func (m *monitor) subscribe(prefix string, pub statusReporter) *subscriber {
 	sub := &subscriber{prefix: prefix, pub: pub, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
 	sub.heardAt.Store(time.Now().UnixNano())
 	m.mu.Lock()
