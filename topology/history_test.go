@@ -148,6 +148,30 @@ func (h *history) silentLags(mount string, st *states, limit time.Duration) []st
 	return out
 }
 
+// lagWithin returns the longest time mount took to show a write
+// acknowledged from from to to (a later value counts), up to now for one
+// not shown yet.
+func (h *history) lagWithin(mount string, from, to time.Time) time.Duration {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	reads := h.reads[mount]
+	var longest time.Duration
+	for _, w := range h.acked {
+		if w.at.Before(from) || w.at.After(to) {
+			continue
+		}
+		seen := time.Now()
+		for _, r := range reads {
+			if r.n >= w.n && !r.at.Before(w.at) {
+				seen = r.at
+				break
+			}
+		}
+		longest = max(longest, seen.Sub(w.at))
+	}
+	return longest
+}
+
 // lastAcked returns the last acknowledged value, 0 before any.
 func (h *history) lastAcked() int {
 	h.mu.Lock()

@@ -41,7 +41,27 @@ func Binary(tb testing.TB) string {
 type Member struct {
 	Name      string
 	ClientURL string
+	bin       string
+	args      []string
 	cmd       *exec.Cmd
+}
+
+// Kill kills the member's process (SIGKILL, after a SIGCONT should it be
+// frozen) and waits for its end; its data stays for Restart.
+func (m *Member) Kill() {
+	_ = m.cmd.Process.Signal(syscall.SIGCONT)
+	_ = m.cmd.Process.Kill()
+	_ = m.cmd.Wait()
+}
+
+// Restart starts a killed member again on its data, addresses and flags.
+// It does not wait for the member to rejoin.
+func (m *Member) Restart(tb testing.TB) {
+	tb.Helper()
+	m.cmd = exec.Command(m.bin, m.args...)
+	if err := m.cmd.Start(); err != nil {
+		tb.Fatal(err)
+	}
 }
 
 // Pid returns the member's process ID.
@@ -140,22 +160,16 @@ func StartCluster(tb testing.TB, n int) *Cluster {
 	c := &Cluster{}
 	for i, p := range ps {
 		name := fmt.Sprintf("m%d", i)
-		cmd := exec.Command(bin,
+		args := []string{
 			"--name", name, "--data-dir", filepath.Join(base, name),
-			"--listen-client-urls", "http://"+p.client, "--advertise-client-urls", "http://"+p.client,
-			"--listen-peer-urls", "http://"+p.peer, "--initial-advertise-peer-urls", "http://"+p.peer,
+			"--listen-client-urls", "http://" + p.client, "--advertise-client-urls", "http://" + p.client,
+			"--listen-peer-urls", "http://" + p.peer, "--initial-advertise-peer-urls", "http://" + p.peer,
 			"--initial-cluster", strings.Join(initial, ","), "--initial-cluster-state", "new",
-			"--initial-cluster-token", filepath.Base(base), "--log-level", "error")
-		if err := cmd.Start(); err != nil {
-			tb.Fatal(err)
-		}
-		m := &Member{Name: name, ClientURL: "http://" + p.client, cmd: cmd}
+			"--initial-cluster-token", filepath.Base(base), "--log-level", "error"}
+		m := &Member{Name: name, ClientURL: "http://" + p.client, bin: bin, args: args}
+		m.Restart(tb)
 		c.Members = append(c.Members, m)
-		tb.Cleanup(func() {
-			_ = cmd.Process.Signal(syscall.SIGCONT)
-			_ = cmd.Process.Kill()
-			_ = cmd.Wait()
-		})
+		tb.Cleanup(m.Kill)
 	}
 	cli := c.Client(tb)
 	deadline := time.Now().Add(Timeout)
