@@ -18,6 +18,7 @@ import (
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -57,6 +58,11 @@ const maxWatches = 8
 // no running group covers, so that the prefixes of a start — a thousand
 // mounts joining within milliseconds — are grouped once.
 const settleJoins = 20 * time.Millisecond
+
+// concurrentReads is how many of a group's prefixes are read at once when
+// the group starts or re-reads: the start of a thousand mounts is not a
+// thousand reads in a row.
+const concurrentReads = 16
 
 // member is one Follow in watch mode.
 type member struct {
@@ -396,27 +402,37 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 	}
 	var revs revisions
 	var rev int64
-	for _, m := range g.snapshot() {
+	members := g.snapshot()
+	for _, m := range members {
 		m.read, m.held = false, nil
 		m.active.Store(false)
-		entries, oversized, h, err := listPrefix(ctx, cli, m.prefix, m.pub.Limits(), rev)
-		if errors.Is(err, rpctypes.ErrCompacted) {
-			return fmt.Errorf("%w: revision compacted during read", errResync)
-		}
-		if errors.Is(err, source.ErrOverLimits) {
-			s.hold(m, err)
-			continue
-		}
+	}
+	// The first read pins the revision (members over their limits are
+	// held and the next one tries); the others are read at it, several at
+	// once, as a thousand followers each reading its own prefix did.
+	for len(members) > 0 && rev == 0 {
+		m := members[0]
+		members = members[1:]
+		h, err := s.readMemberAt(ctx, cli, m, 0)
 		if err != nil {
 			return err
 		}
-		if rev == 0 {
+		if h != nil {
 			rev = h.Revision
 			// A read is the new truth: whatever was seen before.
 			revs = revisions{seen: rev, cluster: h.ClusterId}
 		}
-		m.setRead(rev)
-		m.publish(entries, oversized, rev)
+	}
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.SetLimit(concurrentReads)
+	for _, m := range members {
+		eg.Go(func() error {
+			_, err := s.readMemberAt(ectx, cli, m, rev)
+			return err
+		})
+	}
+	if err := eg.Wait(); err != nil {
+		return err
 	}
 	// With every member held (or none left), rev is 0: the watch starts
 	// from the latest revision, and a member's own read later sets its
@@ -425,6 +441,29 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 		testHookAfterList()
 	}
 	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev)
+}
+
+// readMemberAt reads m's prefix at rev (0: the latest, which it then
+// pins), publishes it and sets its floor; a member over its limits is
+// held and its header is nil. A compacted rev is a resync.
+func (s *Source) readMemberAt(ctx context.Context, cli *clientv3.Client, m *member, rev int64) (*etcdserverpb.ResponseHeader, error) {
+	entries, oversized, h, err := listPrefix(ctx, cli, m.prefix, m.pub.Limits(), rev)
+	if errors.Is(err, rpctypes.ErrCompacted) {
+		return nil, fmt.Errorf("%w: revision compacted during read", errResync)
+	}
+	if errors.Is(err, source.ErrOverLimits) {
+		s.hold(m, err)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if rev == 0 {
+		rev = h.Revision
+	}
+	m.setRead(rev)
+	m.publish(entries, oversized, rev)
+	return h, nil
 }
 
 // hold reports m over its limits with err, and sets its retry after its
