@@ -67,8 +67,10 @@ func (w *switchWatcher) wait(b *testing.B) {
 
 // benchStore is the store a latency benchmark writes to.
 type benchStore struct {
-	// source is the [sources.main] table reaching the store.
-	source string
+	// source is the [sources.main] table reaching the store, and
+	// endpoint its client URL.
+	source   string
+	endpoint string
 	// prefix is where the benchmark's keys live.
 	prefix string
 	// port is the store's client port, for counting connections to it.
@@ -92,8 +94,9 @@ func etcdStore(b *testing.B) benchStore {
 	}
 	b.Cleanup(func() { cli.Close() })
 	return benchStore{
-		source: fmt.Sprintf("type = \"etcd\"\nendpoints = [%q]\n", srv.Endpoint()),
-		prefix: "/bench/",
+		source:   fmt.Sprintf("type = \"etcd\"\nendpoints = [%q]\n", srv.Endpoint()),
+		endpoint: srv.Endpoint(),
+		prefix:   "/bench/",
 		put: func(key, value string) error {
 			_, err := cli.Put(context.Background(), key, value)
 			return err
@@ -111,9 +114,10 @@ func consulStore(b *testing.B) benchStore {
 func consulStoreOf(b *testing.B, agent *consultest.Agent) benchStore {
 	client := agent.Client()
 	return benchStore{
-		source: fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),
-		port:   agentPort(agent.Addr()),
-		prefix: "bench/",
+		source:   fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),
+		endpoint: agent.URL(),
+		port:     agentPort(agent.Addr()),
+		prefix:   "bench/",
 		put: func(key, value string) error {
 			_, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte(value)}, nil)
 			return err
@@ -209,6 +213,9 @@ var (
 func TestMain(m *testing.M) {
 	// The daemon starts this binary again as its worker, or as
 	// TestHostileWorker's.
+	if spec := os.Getenv(floorEnv); spec != "" {
+		floorMain(spec)
+	}
 	switch mode := strings.SplitN(os.Getenv(WorkerEnv), ":", 3); mode[0] {
 	case hostileMode:
 		hostileWorker()
@@ -298,13 +305,15 @@ func measureUpdates(b *testing.B, store benchStore, dir string, key func(i int) 
 // returns the p50. It sorts d.
 func report(b *testing.B, name string, d []time.Duration) (p50 float64) {
 	slices.Sort(d)
-	pct := func(p float64) float64 {
-		return float64(d[min(len(d)-1, int(p*float64(len(d))))]) / float64(time.Millisecond)
-	}
-	b.ReportMetric(pct(0.50), name+"-p50-ms")
-	b.ReportMetric(pct(0.99), name+"-p99-ms")
+	b.ReportMetric(percentile(d, 0.50), name+"-p50-ms")
+	b.ReportMetric(percentile(d, 0.99), name+"-p99-ms")
 	b.ReportMetric(float64(d[len(d)-1])/float64(time.Millisecond), name+"-max-ms")
-	return pct(0.50)
+	return percentile(d, 0.50)
+}
+
+// percentile returns the p quantile (0–1) of the sorted d, in ms.
+func percentile(d []time.Duration, p float64) float64 {
+	return float64(d[min(len(d)-1, int(p*float64(len(d))))]) / float64(time.Millisecond)
 }
 
 // knowsAdmin reports whether the kvmount binary bin accepts an [admin]
@@ -341,12 +350,15 @@ func noAdmin(b *testing.B, bin string) string {
 // tmpfs. Run with -benchtime 1000x or more: percentiles are over b.N
 // sequential updates.
 //
-// With $KVMOUNT_BENCH_BASELINE set to a kvmount binary built from another
-// commit, each case runs that binary and this tree's side by side on the
-// same store, each on its own prefix, and alternates updates between them
-// (which goes first alternates too), so that both see the same machine at
-// the same moments: the metrics are prefixed "baseline-" and "head-", and
-// "head/baseline-" gives the ratio of the p50s.
+// Each case runs kvmount ("head") side by side with the floor
+// (floor_bench_test.go: a process that only watches its key and switches
+// ..data, fsyncing on disk as kvmount does), each on its own key of the
+// same store, and alternates updates between them (which goes first
+// rotates too), so that both see the same machine at the same moments:
+// the metrics are prefixed "floor-" and "head-", and "head/floor-" gives
+// the ratio of the p50s and of the p99s. With $KVMOUNT_BENCH_BASELINE set
+// to a kvmount binary built from another commit, that binary runs beside
+// them as "baseline", and "head/baseline-" gives its ratios too.
 func BenchmarkPutToFile(b *testing.B) {
 	baseline := os.Getenv("KVMOUNT_BENCH_BASELINE")
 	for _, s := range []struct {
@@ -356,24 +368,30 @@ func BenchmarkPutToFile(b *testing.B) {
 	}{{"etcd/disk", etcdStore, "disk"}, {"etcd/tmpfs", etcdStore, "tmpfs"}, {"consul/disk", consulStore, "disk"}, {"consul/tmpfs", consulStore, "tmpfs"}} {
 		b.Run(s.name, func(b *testing.B) {
 			store := s.store(b)
-			if baseline == "" {
-				dir := benchDaemon(b, store, 1, s.medium)
-				measureUpdates(b, store, dir, func(int) string { return "key-00000" })
-				return
+			names := []string{"floor", "head"}
+			if baseline != "" {
+				names = []string{"floor", "baseline", "head"}
 			}
-			sides := make([]updateSide, 2)
-			for i, bin := range []string{baseline, ""} {
-				sides[i].name = []string{"baseline", "head"}[i]
+			sides := make([]updateSide, len(names))
+			for i, name := range names {
+				sides[i].name = name
 				sides[i].store = store
-				sides[i].store.prefix = fmt.Sprintf("%s%s/", store.prefix, sides[i].name) // each its own keys
-				sides[i].dir = benchDaemonWith(b, sides[i].store, 1, s.medium, benchExtras{bin: bin})
+				sides[i].store.prefix = fmt.Sprintf("%s%s/", store.prefix, name) // each its own keys
+				switch name {
+				case "floor":
+					sides[i].dir = startFloor(b, sides[i].store, store.endpoint, s.medium)
+				case "baseline":
+					sides[i].dir = benchDaemonWith(b, sides[i].store, 1, s.medium, benchExtras{bin: baseline})
+				default:
+					sides[i].dir = benchDaemonWith(b, sides[i].store, 1, s.medium, benchExtras{})
+				}
 			}
 			measureSideBySide(b, sides)
 		})
 	}
 }
 
-// updateSide is one of the daemons measureSideBySide compares.
+// updateSide is one of the mounts measureSideBySide compares.
 type updateSide struct {
 	name  string
 	store benchStore
@@ -383,22 +401,22 @@ type updateSide struct {
 	total, after []time.Duration
 }
 
-// measureSideBySide is measureUpdates for two daemons at once (sides
-// holds two): each
-// iteration updates each side's one key in turn, the first side of one
-// iteration the second of the next. It reports each side's percentiles,
-// prefixed by its name, and the ratio of the second side's p50s to the
-// first's.
+// measureSideBySide is measureUpdates for several mounts at once: each
+// iteration updates each side's one key in turn, in an order that rotates
+// by one every iteration. It reports each side's percentiles, prefixed by
+// its name, and the ratios of the last side's p50s and p99s to each other
+// side's ("head/floor-e2e-p50").
 func measureSideBySide(b *testing.B, sides []updateSide) {
 	watchers := make([]*switchWatcher, len(sides))
+	order := make([]int, len(sides))
 	for i := range sides {
 		watchers[i] = watchSwitches(b, sides[i].dir)
 		sides[i].total, sides[i].after = make([]time.Duration, 0, b.N), make([]time.Duration, 0, b.N)
+		order[i] = i
 	}
-	order := []int{0, 1}
 	b.ResetTimer()
 	for i := range b.N {
-		slices.Reverse(order)
+		order = append(order[1:], order[0])
 		for _, j := range order {
 			side := &sides[j]
 			value := fmt.Sprintf("update %d", i)
@@ -419,14 +437,21 @@ func measureSideBySide(b *testing.B, sides []updateSide) {
 		}
 	}
 	b.StopTimer()
-	var e2e, after [2]float64
+	type pcts struct{ p50, p99 float64 }
+	e2e := make([]pcts, len(sides))
+	after := make([]float64, len(sides))
 	for i, side := range sides {
-		e2e[i] = report(b, side.name+"-e2e", side.total)
+		e2e[i].p50 = report(b, side.name+"-e2e", side.total)
+		e2e[i].p99 = percentile(side.total, 0.99)
 		after[i] = report(b, side.name+"-after-commit", side.after)
 	}
-	ratio := sides[1].name + "/" + sides[0].name
-	b.ReportMetric(e2e[1]/e2e[0], ratio+"-e2e-p50")
-	b.ReportMetric(after[1]/after[0], ratio+"-after-commit-p50")
+	last := len(sides) - 1
+	for i := range last {
+		ratio := sides[last].name + "/" + sides[i].name
+		b.ReportMetric(e2e[last].p50/e2e[i].p50, ratio+"-e2e-p50")
+		b.ReportMetric(e2e[last].p99/e2e[i].p99, ratio+"-e2e-p99")
+		b.ReportMetric(after[last]/after[i], ratio+"-after-commit-p50")
+	}
 }
 
 // BenchmarkOneChangeIn1000KeyMount is the latency, through etcd, when the
