@@ -92,12 +92,13 @@ type Source struct {
 
 	// Watch mode (group.go): the members, one per Follow, sorted by
 	// prefix; the groups, one watch each, by prefix; the pending
-	// regrouping; the group prefixes whose watch authorization refused;
-	// closed once Close ran.
+	// regrouping and the latest it may be put off to; the group prefixes
+	// whose watch authorization refused; closed once Close ran.
 	gmu             sync.Mutex
 	members         []*member
 	groups          map[string]*group
 	regrouping      *time.Timer
+	regroupBy       time.Time
 	refusedPrefixes []string
 	closed          bool
 }

@@ -56,8 +56,13 @@ const maxWatches = 8
 
 // settleJoins is how long the grouping waits after a Follow whose prefix
 // no running group covers, so that the prefixes of a start — a thousand
-// mounts joining within milliseconds — are grouped once.
-const settleJoins = 20 * time.Millisecond
+// mounts joining within milliseconds — are grouped once: each such Follow
+// puts the grouping off by settleJoins again, up to settleJoinsMax after
+// the first.
+const (
+	settleJoins    = 20 * time.Millisecond
+	settleJoinsMax = 250 * time.Millisecond
+)
 
 // concurrentReads is how many of a group's prefixes are read at once when
 // the group starts or re-reads: the start of a thousand mounts is not a
@@ -220,7 +225,12 @@ func (s *Source) join(m *member) {
 		s.groups[g].add(m)
 		return
 	}
-	if s.regrouping == nil {
+	switch now := time.Now(); {
+	case s.regrouping == nil:
+		s.regrouping, s.regroupBy = time.AfterFunc(settleJoins, s.regroup), now.Add(settleJoinsMax)
+	case now.Add(settleJoins).Before(s.regroupBy) && s.regrouping.Stop():
+		// Not fired yet: put off. (Once fired, the regrouping takes m
+		// with the others: it reads the members under gmu.)
 		s.regrouping = time.AfterFunc(settleJoins, s.regroup)
 	}
 }
@@ -270,6 +280,7 @@ func (s *Source) regroup() {
 			stop = append(stop, g)
 		}
 	}
+	s.log.Debug("grouped the prefixes", "prefixes", len(s.members), "groups", prefixes, "stopping", len(stop))
 	s.gmu.Unlock()
 	// The groups that go stop first: a member is in one group at a time.
 	for _, g := range stop {
@@ -402,6 +413,7 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 	}
 	var revs revisions
 	var rev int64
+	start := time.Now()
 	members := g.snapshot()
 	for _, m := range members {
 		m.read, m.held = false, nil
@@ -410,30 +422,41 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 	// The first read pins the revision (members over their limits are
 	// held and the next one tries); the others are read at it, several at
 	// once, as a thousand followers each reading its own prefix did.
+	var first *memberRead
 	for len(members) > 0 && rev == 0 {
 		m := members[0]
 		members = members[1:]
-		h, err := s.readMemberAt(ctx, cli, m, 0)
+		r, err := s.readMemberAt(ctx, cli, m, 0)
 		if err != nil {
 			return err
 		}
-		if h != nil {
-			rev = h.Revision
+		if r != nil {
+			rev = r.header.Revision
 			// A read is the new truth: whatever was seen before.
-			revs = revisions{seen: rev, cluster: h.ClusterId}
+			revs = revisions{seen: rev, cluster: r.header.ClusterId}
+			first = r
 		}
+	}
+	pub := &readPublisher{rev: rev}
+	if first != nil {
+		pub.add(*first)
 	}
 	eg, ectx := errgroup.WithContext(ctx)
 	eg.SetLimit(concurrentReads)
 	for _, m := range members {
 		eg.Go(func() error {
-			_, err := s.readMemberAt(ectx, cli, m, rev)
+			r, err := s.readMemberAt(ectx, cli, m, rev)
+			if r != nil {
+				pub.add(*r)
+			}
 			return err
 		})
 	}
 	if err := eg.Wait(); err != nil {
 		return err
 	}
+	pub.flush()
+	log.Debug("read the group's prefixes", "prefixes", len(members)+1, "revision", rev, "took", time.Since(start).Round(time.Millisecond))
 	// With every member held (or none left), rev is 0: the watch starts
 	// from the latest revision, and a member's own read later sets its
 	// floor.
@@ -443,10 +466,18 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev)
 }
 
+// memberRead is what a read of a member's prefix returned.
+type memberRead struct {
+	m         *member
+	entries   map[string][]byte
+	oversized map[string]int64
+	header    *etcdserverpb.ResponseHeader
+}
+
 // readMemberAt reads m's prefix at rev (0: the latest, which it then
-// pins), publishes it and sets its floor; a member over its limits is
-// held and its header is nil. A compacted rev is a resync.
-func (s *Source) readMemberAt(ctx context.Context, cli *clientv3.Client, m *member, rev int64) (*etcdserverpb.ResponseHeader, error) {
+// pins); a member over its limits is held and its read is nil. A
+// compacted rev is a resync.
+func (s *Source) readMemberAt(ctx context.Context, cli *clientv3.Client, m *member, rev int64) (*memberRead, error) {
 	entries, oversized, h, err := listPrefix(ctx, cli, m.prefix, m.pub.Limits(), rev)
 	if errors.Is(err, rpctypes.ErrCompacted) {
 		return nil, fmt.Errorf("%w: revision compacted during read", errResync)
@@ -458,12 +489,54 @@ func (s *Source) readMemberAt(ctx context.Context, cli *clientv3.Client, m *memb
 	if err != nil {
 		return nil, err
 	}
-	if rev == 0 {
-		rev = h.Revision
+	return &memberRead{m: m, entries: entries, oversized: oversized, header: h}, nil
+}
+
+// publishBatch is how many read members' snapshots are published
+// together: a thousand mounts' snapshots reach the populator in bursts
+// that one pass each takes — not a thousand passes over a thousand mounts
+// — while the reads of the next go on.
+const publishBatch = 64
+
+// readPublisher publishes the reads of a group's members in batches of
+// publishBatch, each member at rev, or (rev 0) at the revision of its own
+// read, setting its floor there.
+type readPublisher struct {
+	rev     int64
+	mu      sync.Mutex
+	pending []memberRead
+}
+
+// add queues r, and publishes the batch it completes.
+func (p *readPublisher) add(r memberRead) {
+	p.mu.Lock()
+	p.pending = append(p.pending, r)
+	var batch []memberRead
+	if len(p.pending) >= publishBatch {
+		batch, p.pending = p.pending, nil
 	}
-	m.setRead(rev)
-	m.publish(entries, oversized, rev)
-	return h, nil
+	p.mu.Unlock()
+	p.publish(batch)
+}
+
+// flush publishes what is queued.
+func (p *readPublisher) flush() {
+	p.mu.Lock()
+	batch := p.pending
+	p.pending = nil
+	p.mu.Unlock()
+	p.publish(batch)
+}
+
+func (p *readPublisher) publish(batch []memberRead) {
+	for _, r := range batch {
+		at := p.rev
+		if at == 0 {
+			at = r.header.Revision
+		}
+		r.m.setRead(at)
+		r.m.publish(r.entries, r.oversized, at)
+	}
 }
 
 // hold reports m over its limits with err, and sets its retry after its
@@ -476,23 +549,41 @@ func (s *Source) hold(m *member, err error) {
 	m.status(err)
 }
 
-// readMember reads m on its own, at the latest revision, and publishes
-// it: the group's events from then on are m's (its floor). It returns an
-// error other than m's own limits, which end the watch.
-func (s *Source) readMember(ctx context.Context, cli *clientv3.Client, m *member, revs *revisions) error {
-	entries, oversized, h, err := listPrefix(ctx, cli, m.prefix, m.pub.Limits(), 0)
-	if errors.Is(err, source.ErrOverLimits) {
-		s.hold(m, err)
-		return nil
+// readMembers reads each of ms on its own, concurrentReads at once, at
+// the latest revision, and publishes them together (publishReads): the
+// group's events from then on are theirs, each from its read's revision
+// (its floor). It returns an error other than a member's own limits,
+// which ends the watch.
+func (s *Source) readMembers(ctx context.Context, cli *clientv3.Client, ms []*member, revs *revisions) error {
+	var mu sync.Mutex // guards revs
+	pub := &readPublisher{}
+	base := revs.seen
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.SetLimit(concurrentReads)
+	for _, m := range ms {
+		eg.Go(func() error {
+			r, err := s.readMemberAt(ectx, cli, m, 0)
+			if r == nil || err != nil {
+				return err
+			}
+			// Reads run at once and end in any order: each is checked
+			// against what was seen before them all.
+			mu.Lock()
+			check := revisions{seen: base, cluster: revs.cluster}
+			err = check.observe(r.header)
+			revs.seen, revs.cluster = max(revs.seen, check.seen), check.cluster
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+			pub.add(*r)
+			return nil
+		})
 	}
-	if err != nil {
+	if err := eg.Wait(); err != nil {
 		return err
 	}
-	if err := revs.observe(h); err != nil {
-		return err
-	}
-	m.setRead(h.Revision)
-	m.publish(entries, oversized, h.Revision)
+	pub.flush()
 	return nil
 }
 
@@ -524,14 +615,17 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 	for {
 		// The members that joined, or whose retry is due, are read now;
 		// the timer is set for the next retry.
+		var due []*member
+		for _, m := range g.snapshot() {
+			if !m.read && m.held == nil || m.held != nil && !time.Now().Before(m.retry) {
+				due = append(due, m)
+			}
+		}
+		if err := s.readMembers(ctx, cli, due, revs); err != nil {
+			return err
+		}
 		next := time.Time{}
 		for _, m := range g.snapshot() {
-			switch {
-			case !m.read && m.held == nil, m.held != nil && !time.Now().Before(m.retry):
-				if err := s.readMember(ctx, cli, m, revs); err != nil {
-					return err
-				}
-			}
 			if m.held != nil && (next.IsZero() || m.retry.Before(next)) {
 				next = m.retry
 			}
