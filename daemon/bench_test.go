@@ -133,13 +133,6 @@ func agentPort(addr string) int {
 	return n
 }
 
-// benchDaemon runs the kvmount binary against store, projecting its prefix
-// into a disk mount after seeding it with keys, and returns the mount
-// directory once it holds them all.
-func benchDaemon(b *testing.B, store benchStore, keys int, medium string) (dir string) {
-	return benchDaemonWith(b, store, keys, medium, benchExtras{})
-}
-
 // benchExtras are settings a benchmark adds to its daemon.
 type benchExtras struct {
 	// bin is the kvmount binary to run; "" builds this tree's.
@@ -150,7 +143,9 @@ type benchExtras struct {
 	mount string
 }
 
-// benchDaemonWith is benchDaemon with extra settings.
+// benchDaemonWith runs the kvmount binary against store, projecting its
+// prefix into a mount of medium after seeding it with keys, with the
+// extra settings, and returns the mount directory once it holds them all.
 func benchDaemonWith(b *testing.B, store benchStore, keys int, medium string, extra benchExtras) (dir string) {
 	b.Helper()
 	base := b.TempDir()
