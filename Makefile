@@ -76,10 +76,11 @@ bench-baseline: ## put → file, and start, restart and memory with 1,000 mounts
 		KVMOUNT_BENCH_BASELINE=$$tmp/kvmount-base $(GO) test -run '^$$' -bench '^BenchmarkScale100kKeys$$' -benchtime 1x -count 2 -timeout 60m ./daemon; rc=$$?; \
 	fi; rm -rf $$tmp; exit $$rc
 
-# FLEET daemons (separate processes) against one etcd, then one Consul agent.
+# FLEET daemons (separate process trees) against one etcd, a 3-member etcd
+# cluster directly and through etcd's gRPC proxy, then one Consul agent.
 FLEET ?= 100
-bench-fleet: ## fan-out of one write to FLEET kvmount daemons (default 100), idle cost of the store (figures in BENCHMARKS.md)
-	@bin=$$(scripts/consul-agent.sh) && KVMOUNT_CONSUL=$$bin KVMOUNT_FLEET=$(FLEET) $(GO) test -run '^$$' -bench '^BenchmarkFleet$$' -benchtime 20x -count 1 -timeout 30m ./daemon
+bench-fleet: ## fan-out of one write to FLEET kvmount daemons (default 100), idle cost of the store, every daemon restarted at once (figures in BENCHMARKS.md)
+	@bin=$$(scripts/consul-agent.sh) && etcd=$$(scripts/etcd-server.sh) && KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_FLEET=$(FLEET) $(GO) test -run '^$$' -bench '^BenchmarkFleet$$' -benchtime 20x -count 1 -timeout 60m ./daemon
 
 package: ## build the .deb and .rpm packages (amd64, arm64) into dist/ with nfpm (pinned, run through go run)
 	rm -rf dist && mkdir -p dist/pkg

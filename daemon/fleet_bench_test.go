@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
@@ -22,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/internal/consultest"
+	"github.com/kvmount/kvmount/internal/etcdtest"
 )
 
 // fleetIdle is how long BenchmarkFleet watches the store and the daemons
@@ -29,20 +31,25 @@ import (
 const fleetIdle = 30 * time.Second
 
 // BenchmarkFleet (make bench-fleet) measures fan-out: N kvmount daemons
-// ($KVMOUNT_FLEET, default 100), separate processes with separate state
-// directories, each follow one shared prefix (into a tmpfs) and one of
-// their own (on disk), first against one in-process etcd, then against one
-// Consul agent whose limits.http_max_conns_per_client is raised (all the
-// daemons connect from 127.0.0.1; their blocking queries wait 15 s). It
-// reports the time to project all N from cold; at rest, over fleetIdle,
-// the store's CPU (also alone, before the daemons start), the requests it
-// served per second and the daemons' memory (the sum of their PSS; RSS and
-// anonymous memory per daemon); the store's CPU per write while the
-// daemons follow it; then, for each of b.N
-// writes to the shared prefix, the time until each daemon switched its
-// ..data: p50/p99/max over every daemon and write ("fanout-*"), and the
-// p50/max over writes of the time until the last daemon had it
-// ("all-*"). Run with -benchtime 20x.
+// ($KVMOUNT_FLEET, default 100), separate process trees (monitor and
+// worker) with separate state directories, each follow one shared prefix
+// (into a tmpfs) and one of their own (on disk), against one in-process
+// etcd ("etcd"), a 3-member etcd cluster of separate processes directly
+// ("etcd-cluster") and through one etcd gRPC proxy ("etcd-proxy"), then
+// one Consul agent whose limits.http_max_conns_per_client is raised (all
+// the daemons connect from 127.0.0.1; their blocking queries wait 15 s).
+// It reports the time to project all N from cold; at rest, over
+// fleetIdle, the store's CPU (also alone, before the daemons start), the
+// requests it served per second and the daemons' memory (the sum of the
+// PSS of every process; RSS and anonymous memory per daemon, both
+// processes); the store's CPU per write while the daemons follow it;
+// then, for each of b.N writes to the shared prefix, the time until each
+// daemon switched its ..data: p50/p99/max over every daemon and write
+// ("fanout-*"), and the p50/max over writes of the time until the last
+// daemon had it ("all-*"); last the herd of a package upgrade — every
+// daemon stopped, a write, every daemon started at once — the time until
+// all show the write, the store's requests per second and CPU meanwhile,
+// and on the cluster its range reads ("herd-*"). Run with -benchtime 20x.
 func BenchmarkFleet(b *testing.B) {
 	n := 100
 	if v := os.Getenv("KVMOUNT_FLEET"); v != "" {
@@ -52,7 +59,70 @@ func BenchmarkFleet(b *testing.B) {
 		}
 	}
 	b.Run("etcd", func(b *testing.B) { benchFleet(b, n, fleetEtcd(b)) })
+	b.Run("etcd-cluster", func(b *testing.B) { benchFleet(b, n, fleetEtcdCluster(b, false)) })
+	b.Run("etcd-proxy", func(b *testing.B) { benchFleet(b, n, fleetEtcdCluster(b, true)) })
 	b.Run("consul", func(b *testing.B) { benchFleet(b, n, fleetConsul(b, n)) })
+}
+
+// fleetEtcdCluster is a 3-member etcd cluster of separate processes
+// (etcdtest.StartCluster, the etcd server binary), reached directly or —
+// viaProxy — through one etcd gRPC proxy in front of it. Its CPU is the
+// members' (the proxy's is not counted), its requests the gRPC messages
+// the members received (grpc_server_msg_received_total), and ranges the
+// range requests they served (etcd_mvcc_range_total).
+func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
+	c := etcdtest.StartCluster(b, 3)
+	cli := c.Client(b)
+	endpoints := c.Endpoints()
+	if viaProxy {
+		endpoints = []string{"http://" + etcdtest.StartProxy(b, c, "--dial-keepalive-time", "10s").Addr}
+	}
+	quoted := make([]string, len(endpoints))
+	for i, ep := range endpoints {
+		quoted[i] = strconv.Quote(ep)
+	}
+	metric := func(name string) float64 {
+		total := 0.0
+		for _, m := range c.Members {
+			resp, err := http.Get(m.ClientURL + "/metrics")
+			if err != nil {
+				b.Fatal(err)
+			}
+			parser := expfmt.NewTextParser(model.UTF8Validation)
+			families, err := parser.TextToMetricFamilies(resp.Body)
+			resp.Body.Close()
+			if err != nil {
+				b.Fatalf("etcd metrics: %v", err)
+			}
+			for _, m := range families[name].GetMetric() {
+				total += m.GetCounter().GetValue()
+			}
+		}
+		return total
+	}
+	return fleetStore{
+		benchStore: benchStore{
+			source:   fmt.Sprintf("type = \"etcd\"\nendpoints = [%s]\n", strings.Join(quoted, ", ")),
+			endpoint: endpoints[0],
+			prefix:   "/bench/",
+			put: func(key, value string) error {
+				ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Timeout)
+				defer cancel()
+				_, err := cli.Put(ctx, key, value)
+				return err
+			},
+			seed: func(kv []string) { etcdtest.Put(b, cli, kv...) },
+		},
+		cpu: func() time.Duration {
+			var total time.Duration
+			for _, m := range c.Members {
+				total += processCPU(b, m.Pid())
+			}
+			return total
+		},
+		requests: func() float64 { return metric("grpc_server_msg_received_total") },
+		ranges:   func() float64 { return metric("etcd_mvcc_range_total") },
+	}
 }
 
 // fleetStore is a store with the means to watch it at rest.
@@ -60,8 +130,10 @@ type fleetStore struct {
 	benchStore
 	// cpu returns the CPU time the store has used so far.
 	cpu func() time.Duration
-	// requests returns how many requests the store has served so far.
+	// requests returns how many requests the store has served so far,
+	// and ranges how many range reads (nil where it cannot tell).
 	requests func() float64
+	ranges   func() float64
 }
 
 // fleetEtcd is an in-process etcd: its CPU is this process's (idle but
@@ -252,10 +324,13 @@ prefix = "%svm%04d/"
 	req0 := store.requests()
 	time.Sleep(fleetIdle)
 	cpu1, req1, idle := store.cpu(), store.requests(), time.Since(t0)
+	// Each daemon is a process tree: the monitor and its worker.
 	var rss, pss, anon int64
 	for _, pid := range pids {
-		m := processMemory(b, pid)
-		rss, pss, anon = rss+m["Rss"], pss+m["Pss"], anon+m["Anonymous"]
+		for _, p := range append([]int{pid}, childPIDs(b, pid)...) {
+			m := processMemory(b, p)
+			rss, pss, anon = rss+m["Rss"], pss+m["Pss"], anon+m["Anonymous"]
+		}
 	}
 
 	w := watchFleet(b, n, sharedDir)
@@ -273,6 +348,45 @@ prefix = "%svm%04d/"
 	}
 	b.StopTimer()
 	cpuW = store.cpu() - cpuW
+
+	// The herd of a package upgrade: every daemon stopped, a write to the
+	// shared prefix, every daemon started again at once; the time until
+	// all show the write, and what the store served meanwhile.
+	for _, cmd := range cmds {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+	}
+	for _, cmd := range cmds {
+		_ = cmd.Wait()
+	}
+	if err := store.put(shared+"key", "after the herd"); err != nil {
+		b.Fatal(err)
+	}
+	herdReq, herdRanges, herdCPU := store.requests(), 0.0, store.cpu()
+	if store.ranges != nil {
+		herdRanges = store.ranges()
+	}
+	herdStart := time.Now()
+	for i, cmd := range cmds {
+		cmds[i] = exec.Command(bin, cmd.Args[1:]...)
+		cmds[i].Stderr = io.Discard
+		if err := cmds[i].Start(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	waitProjected(b, n, 5*waitTimeout, "daemons showed the write after restarting at once", func(i int) bool {
+		data, err := os.ReadFile(filepath.Join(sharedDir(i), "key"))
+		return err == nil && string(data) == "after the herd"
+	})
+	herd := time.Since(herdStart)
+	herdReq, herdCPU = store.requests()-herdReq, store.cpu()-herdCPU
+	if store.ranges != nil {
+		herdRanges = store.ranges() - herdRanges
+		b.ReportMetric(herdRanges, "herd-ranges")
+	}
+	b.ReportMetric(herd.Seconds(), "herd-all-current-s")
+	b.ReportMetric(herdReq/herd.Seconds(), "herd-store-req/s")
+	b.ReportMetric(float64(herdCPU)/float64(time.Millisecond), "herd-store-cpu-ms")
+
 	report(b, "fanout", each)
 	slices.Sort(all)
 	b.ReportMetric(float64(all[len(all)/2])/float64(time.Millisecond), "all-p50-ms")
