@@ -46,10 +46,14 @@ const fleetIdle = 30 * time.Second
 // then, for each of b.N writes to the shared prefix, the time until each
 // daemon switched its ..data: p50/p99/max over every daemon and write
 // ("fanout-*"), and the p50/max over writes of the time until the last
-// daemon had it ("all-*"); last the herd of a package upgrade — every
-// daemon stopped, a write, every daemon started at once — the time until
-// all show the write, the store's requests per second and CPU meanwhile,
-// and on the cluster its range reads ("herd-*"). Run with -benchtime 20x.
+// daemon had it ("all-*"); on the cluster, the leader killed and a write
+// through the survivors — the time until they acknowledge it, from then
+// until every daemon shows it, and the range reads and requests the
+// survivors served ("leader-lost-*"); last the herd of a package
+// upgrade — every daemon stopped, a write, every daemon started at once —
+// the time until all show the write, the store's requests per second and
+// CPU meanwhile, and on the cluster its range reads ("herd-*"). Run with
+// -benchtime 20x.
 func BenchmarkFleet(b *testing.B) {
 	n := 100
 	if v := os.Getenv("KVMOUNT_FLEET"); v != "" {
@@ -81,9 +85,13 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 	for i, ep := range endpoints {
 		quoted[i] = strconv.Quote(ep)
 	}
-	metric := func(name string) float64 {
+	// metricOf sums the counter name over members (all when none).
+	metricOf := func(name string, members ...*etcdtest.Member) float64 {
+		if len(members) == 0 {
+			members = c.Members
+		}
 		total := 0.0
-		for _, m := range c.Members {
+		for _, m := range members {
 			resp, err := http.Get(m.ClientURL + "/metrics")
 			if err != nil {
 				b.Fatal(err)
@@ -100,7 +108,47 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 		}
 		return total
 	}
+	metric := func(name string) float64 { return metricOf(name) }
+	// leaderLost kills the leader, runs during, and returns the range
+	// reads and requests the two survivors served meanwhile (a killed
+	// member's counters start again at 0); then restarts the member and
+	// waits until the cluster takes a write through it.
+	leaderLost := func(during func()) (ranges, requests float64) {
+		ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Timeout)
+		defer cancel()
+		st, err := cli.Status(ctx, c.Members[0].ClientURL)
+		if err != nil {
+			b.Fatal(err)
+		}
+		leader := c.ByID(b, cli, st.Leader)
+		var survivors []*etcdtest.Member
+		for _, m := range c.Members {
+			if m != leader {
+				survivors = append(survivors, m)
+			}
+		}
+		r0, q0 := metricOf("etcd_mvcc_range_total", survivors...), metricOf("grpc_server_msg_received_total", survivors...)
+		leader.Kill()
+		during()
+		ranges = metricOf("etcd_mvcc_range_total", survivors...) - r0
+		requests = metricOf("grpc_server_msg_received_total", survivors...) - q0
+		leader.Restart(b)
+		one := c.Client(b, leader)
+		for deadline := time.Now().Add(etcdtest.Timeout); ; time.Sleep(100 * time.Millisecond) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			_, err := one.Put(ctx, "/etcdtest/ready", "1")
+			cancel()
+			if err == nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				b.Fatalf("the restarted member never took a write: %v", err)
+			}
+		}
+		return ranges, requests
+	}
 	return fleetStore{
+		leaderLost: leaderLost,
 		benchStore: benchStore{
 			source:   fmt.Sprintf("type = \"etcd\"\nendpoints = [%s]\n", strings.Join(quoted, ", ")),
 			endpoint: endpoints[0],
@@ -134,6 +182,10 @@ type fleetStore struct {
 	// and ranges how many range reads (nil where it cannot tell).
 	requests func() float64
 	ranges   func() float64
+	// leaderLost, where the store is a cluster, kills its leader, runs
+	// during, restarts the member, and returns the range reads and
+	// requests the survivors served during it.
+	leaderLost func(during func()) (ranges, requests float64)
 }
 
 // fleetEtcd is an in-process etcd: its CPU is this process's (idle but
@@ -348,6 +400,41 @@ prefix = "%svm%04d/"
 	}
 	b.StopTimer()
 	cpuW = store.cpu() - cpuW
+
+	// The herd of a lost leader: the leader killed, a write through the
+	// others; the time until the store acknowledges it, from then until
+	// every daemon shows it, and the range reads
+	// (re-reads) and requests the survivors served meanwhile, against
+	// resumed watches, which read nothing.
+	if store.leaderLost != nil {
+		var acked, took time.Duration
+		ranges, reqs := store.leaderLost(func() {
+			t0 := time.Now()
+			// The first puts may time out while the survivors elect a
+			// leader.
+			for deadline := time.Now().Add(waitTimeout); ; time.Sleep(100 * time.Millisecond) {
+				err := store.put(shared+"key", "after the leader")
+				if err == nil {
+					break
+				}
+				if time.Now().After(deadline) {
+					b.Fatal(err)
+				}
+			}
+			acked = time.Since(t0)
+			t0 = time.Now()
+			waitProjected(b, n, 5*waitTimeout, "daemons showed the write after the leader was lost", func(i int) bool {
+				data, err := os.ReadFile(filepath.Join(sharedDir(i), "key"))
+				return err == nil && string(data) == "after the leader"
+			})
+			took = time.Since(t0)
+			time.Sleep(5 * time.Second) // what follows at once: re-reads, re-watches
+		})
+		b.ReportMetric(acked.Seconds(), "leader-lost-write-acked-s")
+		b.ReportMetric(took.Seconds(), "leader-lost-all-current-s")
+		b.ReportMetric(ranges, "leader-lost-ranges")
+		b.ReportMetric(reqs, "leader-lost-requests")
+	}
 
 	// The herd of a package upgrade: every daemon stopped, a write to the
 	// shared prefix, every daemon started again at once; the time until
