@@ -335,15 +335,10 @@ func ownerOf(groups []string, prefix string) (string, bool) {
 func (s *Source) runGroup(ctx context.Context, g *group) {
 	log := s.log.With("group", g.prefix)
 	bo := source.NewBackoff()
-	var resume *errResume
 	for {
-		err := s.groupCycle(ctx, g, log, resume)
+		err := s.groupCycle(ctx, g, log)
 		if ctx.Err() != nil {
 			return
-		}
-		if resume = nil; errors.As(err, &resume) {
-			log.Info("watching the group's prefix again, on another member, from where it stood", "revision", resume.rev, "reason", resume.err)
-			continue
 		}
 		if errors.Is(err, errResync) {
 			log.Info("re-reading the group's prefixes", "reason", err)
@@ -405,37 +400,16 @@ func (r *revisions) observe(h *etcdserverpb.ResponseHeader) error {
 	return nil
 }
 
-// errResume is returned by a group's watch that stalled (stall.go) after
-// it had delivered every event up to rev: the group watches again from
-// rev on another member instead of reading its prefixes again — a lost
-// member makes its daemons resume, not re-read (issue 37's herds).
-type errResume struct {
-	err  error
-	rev  int64
-	revs revisions
-}
-
-func (e *errResume) Error() string { return e.err.Error() }
-func (e *errResume) Unwrap() error { return e.err }
-
 // groupCycle reads every member of g at one revision, publishes each, and
 // watches g's prefix from that revision until the watch ends; it always
 // returns an error saying why.
-func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, resume *errResume) error {
+func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) error {
 	cli, mon, err := s.connect()
 	if err != nil {
 		return err
 	}
 	if err := s.ready(ctx, cli); err != nil {
 		return err
-	}
-	if resume != nil {
-		// A stalled watch starts again where it stood: its members keep
-		// their snapshots and floors, and nothing is read again but
-		// members that joined meanwhile (watchGroup reads those). A
-		// revision compacted meanwhile is a resync, as ever.
-		revs := resume.revs
-		return s.watchGroup(ctx, cli, mon, g, log, &revs, resume.rev)
 	}
 	var revs revisions
 	var rev int64
@@ -636,13 +610,6 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		opts = append(opts, clientv3.WithRev(rev))
 	}
 	wch := cli.Watch(wctx, key, opts...)
-	// delivered is the revision up to which every event of the prefix has
-	// been routed: the one the watch started from (the reads hold what
-	// came before), then the last event's. Progress notifications do not
-	// move it: an etcd without the fix of etcd-io/etcd#15220 (backported
-	// to 3.5 and 3.4 in 2023) could send one ahead of events still to
-	// come.
-	delivered := rev
 	retry := time.NewTimer(time.Hour)
 	defer retry.Stop()
 	for {
@@ -675,9 +642,6 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 			}
 			continue
 		case err := <-sub.stall:
-			if delivered > 0 {
-				return &errResume{err: err, rev: delivered, revs: *revs}
-			}
 			return fmt.Errorf("%w: %w", errResync, err)
 		case <-g.wake:
 			continue
@@ -707,18 +671,11 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		if resp.Canceled {
 			return fmt.Errorf("%w: watch cancelled by the server", errResync)
 		}
-		if resp.Created {
-			g.Status(nil)
-			continue
-		}
-		if resp.IsProgressNotify() {
+		if resp.Created || resp.IsProgressNotify() {
 			g.Status(nil)
 			continue
 		}
 		s.route(g, resp)
-		if n := len(resp.Events); n > 0 {
-			delivered = max(delivered, resp.Events[n-1].Kv.ModRevision)
-		}
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()
