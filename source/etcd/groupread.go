@@ -1,0 +1,147 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvmount/kvmount/source"
+)
+
+// Reading a group's prefixes: at the group's start and after a resync,
+// each at one pinned revision; a member that joins a running group, or
+// comes back from over its limits, at the latest. The reads run several at
+// once and are published in batches (readPublisher says why).
+
+// concurrentReads is how many of a group's prefixes are read at once when
+// the group starts or re-reads: the start of a thousand mounts is not a
+// thousand reads in a row.
+const concurrentReads = 16
+
+// memberRead is what a read of a member's prefix returned.
+type memberRead struct {
+	m         *member
+	entries   map[string][]byte
+	oversized map[string]int64
+	header    *etcdserverpb.ResponseHeader
+}
+
+// readMemberAt reads m's prefix at rev (0: the latest, which it then
+// pins); a member over its limits is held and its read is nil. A
+// compacted rev is a resync.
+func (s *Source) readMemberAt(ctx context.Context, cli *clientv3.Client, m *member, rev int64) (*memberRead, error) {
+	entries, oversized, h, err := listPrefix(ctx, cli, m.prefix, m.pub.Limits(), rev)
+	if errors.Is(err, rpctypes.ErrCompacted) {
+		return nil, fmt.Errorf("%w: revision compacted during read", errResync)
+	}
+	if errors.Is(err, source.ErrOverLimits) {
+		s.hold(m, err)
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &memberRead{m: m, entries: entries, oversized: oversized, header: h}, nil
+}
+
+// publishBatch is how many read members' snapshots are published
+// together: a thousand mounts' snapshots reach the populator in bursts
+// that one pass each takes — not a thousand passes over a thousand mounts
+// — while the reads of the next go on.
+const publishBatch = 64
+
+// readPublisher publishes the reads of a group's members in batches of
+// publishBatch, each member at rev, or (rev 0) at the revision of its own
+// read, setting its floor there.
+type readPublisher struct {
+	rev     int64
+	mu      sync.Mutex
+	pending []memberRead
+}
+
+// add queues r, and publishes the batch it completes.
+func (p *readPublisher) add(r memberRead) {
+	p.mu.Lock()
+	p.pending = append(p.pending, r)
+	var batch []memberRead
+	if len(p.pending) >= publishBatch {
+		batch, p.pending = p.pending, nil
+	}
+	p.mu.Unlock()
+	p.publish(batch)
+}
+
+// flush publishes what is queued.
+func (p *readPublisher) flush() {
+	p.mu.Lock()
+	batch := p.pending
+	p.pending = nil
+	p.mu.Unlock()
+	p.publish(batch)
+}
+
+func (p *readPublisher) publish(batch []memberRead) {
+	for _, r := range batch {
+		at := p.rev
+		if at == 0 {
+			at = r.header.Revision
+		}
+		r.m.setRead(at)
+		r.m.publish(r.entries, r.oversized, at)
+	}
+}
+
+// hold reports m over its limits with err, and sets its retry after its
+// backoff: its prefix is read on its own then.
+func (s *Source) hold(m *member, err error) {
+	m.held, m.read = err, false
+	m.active.Store(false)
+	m.retry = time.Now().Add(m.bo.NextBackOff())
+	m.log.Warn("source unavailable, keeping last content", "err", err)
+	m.status(err)
+}
+
+// readMembers reads each of ms on its own, concurrentReads at once, at
+// the latest revision, and publishes them together (publishReads): the
+// group's events from then on are theirs, each from its read's revision
+// (its floor). It returns an error other than a member's own limits,
+// which ends the watch.
+func (s *Source) readMembers(ctx context.Context, cli *clientv3.Client, ms []*member, revs *revisions) error {
+	var mu sync.Mutex // guards revs
+	pub := &readPublisher{}
+	base := revs.seen
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.SetLimit(concurrentReads)
+	for _, m := range ms {
+		eg.Go(func() error {
+			r, err := s.readMemberAt(ectx, cli, m, 0)
+			if r == nil || err != nil {
+				return err
+			}
+			// Reads run at once and end in any order: each is checked
+			// against what was seen before them all.
+			mu.Lock()
+			check := revisions{seen: base, cluster: revs.cluster}
+			err = check.observe(r.header)
+			revs.seen, revs.cluster = max(revs.seen, check.seen), check.cluster
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+			pub.add(*r)
+			return nil
+		})
+	}
+	if err := eg.Wait(); err != nil {
+		return err
+	}
+	pub.flush()
+	return nil
+}

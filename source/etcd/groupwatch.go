@@ -1,0 +1,305 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvmount/kvmount/source"
+)
+
+// A group's loop: read its members (groupread.go), then watch its prefix
+// from that revision and route each event to the members it falls in,
+// until an error says to read again, back off, or split the group.
+
+// runGroup runs g's watch until ctx is done: a read of every member at one
+// revision and a watch from it, again after each error (with backoff,
+// and at once for a resync).
+func (s *Source) runGroup(ctx context.Context, g *group) {
+	log := s.log.With("group", g.prefix)
+	bo := source.NewBackoff()
+	for {
+		err := s.groupCycle(ctx, g, log)
+		if ctx.Err() != nil {
+			return
+		}
+		if errors.Is(err, errResync) {
+			log.Info("re-reading the group's prefixes", "reason", err)
+			continue
+		}
+		if errors.Is(err, errRefusedGroup) {
+			log.Warn("etcd refuses a watch of the prefix the group's mounts share (authorization): each is watched on its own from now on", "err", err)
+			s.gmu.Lock()
+			s.refusedPrefixes = append(s.refusedPrefixes, g.prefix)
+			if s.regrouping == nil {
+				s.regrouping = time.AfterFunc(0, s.regroup)
+			}
+			s.gmu.Unlock()
+			<-ctx.Done()
+			return
+		}
+		if err != nil {
+			log.Warn("source unavailable, keeping last content", "err", err, "prefixes", len(g.snapshot()))
+			for _, m := range g.snapshot() {
+				m.status(err)
+			}
+			if !source.Sleep(ctx, bo.NextBackOff()) {
+				return
+			}
+			continue
+		}
+		bo.Reset()
+	}
+}
+
+// errRefusedGroup is returned by a group's cycle when etcd refuses the
+// watch of its prefix, which covers several members, for want of
+// permission.
+var errRefusedGroup = errors.New("source/etcd: permission denied for the group's prefix")
+
+// revisions checks the response headers a group sees (follower.observe's
+// rules): a revision lower than one seen, or another cluster ID, is a
+// resync.
+type revisions struct {
+	seen    int64
+	cluster uint64
+}
+
+// observe checks h against what was seen; see follower.observe.
+func (r *revisions) observe(h *etcdserverpb.ResponseHeader) error {
+	if h == nil || h.Revision == 0 {
+		return nil
+	}
+	switch {
+	case r.cluster != 0 && h.ClusterId != 0 && h.ClusterId != r.cluster:
+		return fmt.Errorf("%w: etcd cluster ID changed from %x to %x (a new or restored cluster)", errResync, r.cluster, h.ClusterId)
+	case h.Revision < r.seen:
+		return fmt.Errorf("%w: etcd revision went back from %d to %d (data lost, or restored from a snapshot without --bump-revision)", errResync, r.seen, h.Revision)
+	}
+	r.seen = h.Revision
+	if h.ClusterId != 0 {
+		r.cluster = h.ClusterId
+	}
+	return nil
+}
+
+// groupCycle reads every member of g at one revision, publishes each, and
+// watches g's prefix from that revision until the watch ends; it always
+// returns an error saying why.
+func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) error {
+	cli, mon, err := s.connect()
+	if err != nil {
+		return err
+	}
+	if err := s.ready(ctx, cli); err != nil {
+		return err
+	}
+	var revs revisions
+	var rev int64
+	start := time.Now()
+	members := g.snapshot()
+	for _, m := range members {
+		m.read, m.held = false, nil
+		m.active.Store(false)
+	}
+	// The first read pins the revision (members over their limits are
+	// held and the next one tries); the others are read at it, several at
+	// once, as a thousand followers each reading its own prefix did.
+	var first *memberRead
+	for len(members) > 0 && rev == 0 {
+		m := members[0]
+		members = members[1:]
+		r, err := s.readMemberAt(ctx, cli, m, 0)
+		if err != nil {
+			return err
+		}
+		if r != nil {
+			rev = r.header.Revision
+			// A read is the new truth: whatever was seen before.
+			revs = revisions{seen: rev, cluster: r.header.ClusterId}
+			first = r
+		}
+	}
+	pub := &readPublisher{rev: rev}
+	if first != nil {
+		pub.add(*first)
+	}
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.SetLimit(concurrentReads)
+	for _, m := range members {
+		eg.Go(func() error {
+			r, err := s.readMemberAt(ectx, cli, m, rev)
+			if r != nil {
+				pub.add(*r)
+			}
+			return err
+		})
+	}
+	if err := eg.Wait(); err != nil {
+		return err
+	}
+	pub.flush()
+	log.Debug("read the group's prefixes", "prefixes", len(members)+1, "revision", rev, "took", time.Since(start).Round(time.Millisecond))
+	// With every member held (or none left), rev is 0: the watch starts
+	// from the latest revision, and a member's own read later sets its
+	// floor.
+	if testHookAfterList != nil {
+		testHookAfterList()
+	}
+	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev)
+}
+
+// watchGroup follows g's prefix from rev (0: the latest), publishing once
+// per watch response for each member it touches, until the watch ends; it
+// always returns an error saying why. Members that joined, and held
+// members whose retry is due, are read on their own meanwhile.
+func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *monitor, g *group, log *slog.Logger, revs *revisions, rev int64) error {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	probeKey := g.prefix
+	if ms := g.snapshot(); len(ms) > 0 {
+		probeKey = ms[0].prefix // readable by kvmount's user, where the group's prefix might not be
+	}
+	sub := mon.subscribe(probeKey, g)
+	defer mon.unsubscribe(sub)
+	key, end := span(g.prefix)
+	// From rev, not rev+1: see follower.watch before issue 37 — the
+	// events of rev change nothing when folded in again, and a watch
+	// whose start revision is not beyond the store's is one etcd answers
+	// progress requests for (stall.go).
+	opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithProgressNotify(), clientv3.WithCreatedNotify()}
+	if rev > 0 {
+		opts = append(opts, clientv3.WithRev(rev))
+	}
+	wch := cli.Watch(wctx, key, opts...)
+	retry := time.NewTimer(time.Hour)
+	defer retry.Stop()
+	for {
+		// The members that joined, or whose retry is due, are read now;
+		// the timer is set for the next retry.
+		var due []*member
+		for _, m := range g.snapshot() {
+			if !m.read && m.held == nil || m.held != nil && !time.Now().Before(m.retry) {
+				due = append(due, m)
+			}
+		}
+		if err := s.readMembers(ctx, cli, due, revs); err != nil {
+			return err
+		}
+		next := time.Time{}
+		for _, m := range g.snapshot() {
+			if m.held != nil && (next.IsZero() || m.retry.Before(next)) {
+				next = m.retry
+			}
+		}
+		if !next.IsZero() {
+			retry.Reset(time.Until(next))
+		}
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case h := <-sub.probes:
+			if err := revs.observe(h); err != nil {
+				return err
+			}
+			continue
+		case err := <-sub.stall:
+			return fmt.Errorf("%w: %w", errResync, err)
+		case <-g.wake:
+			continue
+		case <-retry.C:
+			continue
+		case resp, ok = <-wch:
+		}
+		if !ok {
+			break
+		}
+		if sub.hear(resp.Header.MemberId) {
+			log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
+			g.Status(nil)
+		}
+		if err := revs.observe(&resp.Header); err != nil {
+			return err
+		}
+		if err := resp.Err(); err != nil {
+			switch {
+			case errors.Is(err, rpctypes.ErrCompacted):
+				return fmt.Errorf("%w: watch compacted at revision %d", errResync, resp.CompactRevision)
+			case permissionDenied(err) && s.wider(g):
+				return fmt.Errorf("%w: %w", errRefusedGroup, err)
+			}
+			return fmt.Errorf("source/etcd: watch %s: %w", g.prefix, err)
+		}
+		if resp.Canceled {
+			return fmt.Errorf("%w: watch cancelled by the server", errResync)
+		}
+		if resp.Created || resp.IsProgressNotify() {
+			g.Status(nil)
+			continue
+		}
+		s.route(g, resp)
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return fmt.Errorf("%w: watch channel closed", errResync)
+}
+
+// permissionDenied reports whether err is etcd's refusal for want of
+// permission: clientv3 hands a watch's as a plain error of the status's
+// text.
+func permissionDenied(err error) bool {
+	return status.Code(err) == codes.PermissionDenied || errors.Is(err, rpctypes.ErrPermissionDenied) ||
+		strings.Contains(err.Error(), rpctypes.ErrPermissionDenied.Error())
+}
+
+// wider reports whether g's prefix is wider than its members': a group
+// that authorization may refuse where it grants the members' own.
+func (s *Source) wider(g *group) bool {
+	ms := g.snapshot()
+	return len(ms) > 1 || len(ms) == 1 && ms[0].prefix != g.prefix
+}
+
+// route folds resp's events into the members they concern and publishes
+// each member that changed once, at the response's revision. An event at
+// or below a member's floor is in its last read already; a held member,
+// or one not read yet, takes none (it is read on its own).
+func (s *Source) route(g *group, resp clientv3.WatchResponse) {
+	batches := map[*member][]*clientv3.Event{}
+	var order []*member
+	g.mu.Lock()
+	for _, ev := range resp.Events {
+		for _, m := range g.matching(string(ev.Kv.Key)) {
+			if !m.read || m.held != nil || ev.Kv.ModRevision <= m.floor {
+				continue
+			}
+			if _, ok := batches[m]; !ok {
+				order = append(order, m)
+			}
+			batches[m] = append(batches[m], ev)
+		}
+	}
+	g.mu.Unlock()
+	for _, m := range order {
+		lim := m.pub.Limits()
+		next, nextOversized, changed := apply(m.last, m.lastOversized, m.prefix, batches[m], lim)
+		if !changed {
+			continue
+		}
+		if err := lim.Check(len(next)+len(nextOversized), valueBytes(next)); err != nil {
+			s.hold(m, fmt.Errorf("source/etcd: %s: %w", m.prefix, err))
+			continue
+		}
+		m.deliver(next, nextOversized, resp.Header.Revision)
+	}
+}
