@@ -190,26 +190,7 @@ func TestConsulCluster(t *testing.T) {
 		inject()
 		healed := heal()
 		// Wait for every mount to hold the last acknowledged write.
-		want := h.lastAcked()
-		deadline := time.Now().Add(waitTimeout)
-		for _, m := range consulModes {
-			for {
-				h.mu.Lock()
-				reads := h.reads[m]
-				got := 0
-				if len(reads) > 0 {
-					got = reads[len(reads)-1].n
-				}
-				h.mu.Unlock()
-				if got >= want {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("after %s: %s holds %d, Consul %d\n%s", what, m, got, want, &st)
-				}
-				time.Sleep(50 * time.Millisecond)
-			}
-		}
+		h.waitHeld(t, what, consulModes, &st)
 		time.Sleep(consulCurrentWithin + 500*time.Millisecond)
 		var line []string
 		for _, m := range consulModes {

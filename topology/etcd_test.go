@@ -133,27 +133,8 @@ func TestEtcdGRPCProxy(t *testing.T) {
 	// and returns how long the slower took.
 	caughtUp := func(what string) time.Duration {
 		t.Helper()
-		want := h.lastAcked()
 		from := time.Now()
-		deadline := from.Add(waitTimeout)
-		for _, m := range etcdMounts {
-			for {
-				h.mu.Lock()
-				reads := h.reads[m]
-				got := 0
-				if len(reads) > 0 {
-					got = reads[len(reads)-1].n
-				}
-				h.mu.Unlock()
-				if got >= want {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("after %s: %s holds %d, etcd %d\n%s", what, m, got, want, &st)
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
-		}
+		h.waitHeld(t, what, etcdMounts, &st)
 		return time.Since(from)
 	}
 	// report logs, for each mount, whether and when it was reported stale

@@ -172,6 +172,34 @@ func (h *history) lagWithin(mount string, from, to time.Time) time.Duration {
 	return longest
 }
 
+// waitHeld waits, for at most waitTimeout, until every one of mounts was
+// last read holding the last acknowledged write (or a later one), and
+// fails the test naming the first that does not; after says what just
+// happened, st is logged with the failure.
+func (h *history) waitHeld(t *testing.T, after string, mounts []string, st *states) {
+	t.Helper()
+	want := h.lastAcked()
+	deadline := time.Now().Add(waitTimeout)
+	for _, m := range mounts {
+		for {
+			h.mu.Lock()
+			reads := h.reads[m]
+			got := 0
+			if len(reads) > 0 {
+				got = reads[len(reads)-1].n
+			}
+			h.mu.Unlock()
+			if got >= want {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("after %s: %s holds %d, the store %d\n%s", after, m, got, want, st)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
+
 // lastAcked returns the last acknowledged value, 0 before any.
 func (h *history) lastAcked() int {
 	h.mu.Lock()
