@@ -79,12 +79,13 @@ func etcdWriter(ctx context.Context, cli *clientv3.Client, h *history, paused *a
 // the store is compacted past the mount's revision and started again, and
 // kvmount killed. Throughout, for both mounts: never a mixed version,
 // never backwards, no acknowledged write invisible for more than 5 s
-// while /status says current. What the proxy hides is a member frozen
-// behind it: kvmount's progress request and status probe go through the
-// proxy to that member and are not answered, so the mount is reported
-// stale within 5 s — but with the proxy its only endpoint kvmount cannot
-// go elsewhere, and the proxy itself leaves the member only when gRPC's
-// keepalive (10 s at least) gives up on it. The figures are logged.
+// while /status says current — but for the proxy's mount while a member
+// behind the proxy is frozen. That is what the proxy hides: with the proxy
+// its only endpoint kvmount cannot go elsewhere, the proxy leaves the
+// member only when gRPC's keepalive (10 s at least) gives up on it, and
+// whether kvmount even reports the mount stale depends on whether its
+// progress request reaches the frozen member (in most runs it did, after
+// 4.4–7.4 s; in one it did not). The figures are logged.
 func TestEtcdGRPCProxy(t *testing.T) {
 	roottest.Require(t)
 	c := etcdtest.StartCluster(t, 3)
@@ -188,6 +189,10 @@ func TestEtcdGRPCProxy(t *testing.T) {
 		time.Sleep(10 * time.Second)
 		m.Thaw(t)
 		healed := time.Now()
+		// What the proxy hides: with the proxy its only endpoint, the
+		// proxy's mount may lag as long as the freeze, reported stale or
+		// not (README); its silent lags are not judged here.
+		h.unjudgedOf("proxy", "member "+m.Name+" frozen behind the proxy", from, healed)
 		caughtUp("member " + m.Name + " frozen")
 		report("member "+m.Name+" frozen 10 s", from, healed)
 		for _, mount := range etcdMounts {
