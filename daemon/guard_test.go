@@ -286,6 +286,35 @@ func TestSizeLimits(t *testing.T) {
 	h.waitContent(h.path("mnt", "sz"), map[string]string{"a": "fits"})
 }
 
+// TestMaxTotalSize: a payload that would take every mount's payloads
+// together past max_total_size is held back by the worker — logged, its
+// mount keeping its content, counted as a guard rejection — and goes
+// through once it fits beside the others.
+func TestMaxTotalSize(t *testing.T) {
+	h := newHarness(t)
+	socket := h.path("admin.sock")
+	h.admin = "unix:" + socket
+	h.settings = `max_total_size = "30B"`
+	h.put("/ta/a", "1234567890", "/tb/b", "1234567890")
+	h.writeConfig(h.mount("ta", "/ta/") + h.mount("tb", "/tb/"))
+	h.start()
+	h.waitContent(h.path("mnt", "ta"), map[string]string{"a": "1234567890"})
+	h.waitContent(h.path("mnt", "tb"), map[string]string{"b": "1234567890"})
+	h.put("/tb/c", "1234567890X") // 31 bytes together
+	h.waitLog("cannot send mount payload; keeping last content", "mount=tb", "past max_total_size (30 bytes)")
+	h.waitMetric(socket, `kvmount_guard_rejections_total{guard="max_total_size",mount="tb"}`)
+	if got, _ := content(h.path("mnt", "tb")); len(got) != 1 {
+		t.Errorf("a payload past max_total_size replaced the content: %v", got)
+	}
+	// tb's own payload is replaced, not added: 20 bytes of it fit.
+	h.put("/tb/c", "123456789")
+	h.waitContent(h.path("mnt", "tb"), map[string]string{"b": "1234567890", "c": "123456789"})
+	h.put("/ta/a", "1234567890AB") // 31 again, now through ta
+	h.waitLog("cannot send mount payload; keeping last content", "mount=ta", "past max_total_size (30 bytes)")
+	h.put("/ta/a", "1")
+	h.waitContent(h.path("mnt", "ta"), map[string]string{"a": "1"})
+}
+
 // TestProjectedMountWithOneSourceDown projects an etcd prefix and an HTTP
 // document into one directory: both switch together, and while etcd is cut
 // off the mount keeps etcd's part and follows the HTTP one.

@@ -51,6 +51,9 @@ type harness struct {
 	admin string
 	// workerMode is Options.workerMode: "" for the daemon's worker.
 	workerMode string
+	// settings are further top-level settings of the configuration, a
+	// line each, such as max_total_size.
+	settings string
 	// resync is the configuration's resync_interval: "1s" when "".
 	resync   string
 	logs     *testlog.Buffer
@@ -114,13 +117,13 @@ func (h *harness) writeConfig(mounts string) {
 	body := fmt.Sprintf(`state_dir = %q
 resync_interval = %q
 log_level = "debug"
-
+%s
 [admin]
 address = %q
 socket = %q
 
 %s
-%s`, h.path("state"), resync, h.admin, h.statusSocket(), sources, mounts)
+%s`, h.path("state"), resync, h.settings, h.admin, h.statusSocket(), sources, mounts)
 	if err := os.WriteFile(h.config, []byte(body), 0o644); err != nil {
 		h.t.Fatal(err)
 	}

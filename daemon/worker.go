@@ -73,8 +73,11 @@ type worker struct {
 	// payloadGen the generation whose payload was last sent.
 	sent       map[string]*reconcile.DesiredMount
 	payloadGen map[string]uint64
-	// sentBytes is the size of the payload last sent of each mount.
+	// sentBytes is the size of the payload last sent of each mount, and
+	// sentTotal their sum: what overBound weighs a new payload against,
+	// without a walk of every mount for each.
 	sentBytes map[string]int64
+	sentTotal int64
 	// settled is set once every mount had a payload or an error.
 	settled bool
 	// confined is set once the worker is confined: before, it delivers
@@ -260,6 +263,7 @@ func (w *worker) publish() error {
 		if dsw[name] == nil {
 			delete(w.sent, name)
 			delete(w.payloadGen, name)
+			w.sentTotal -= w.sentBytes[name]
 			delete(w.sentBytes, name)
 		}
 	}
@@ -281,7 +285,9 @@ func (w *worker) publish() error {
 				}
 			} else {
 				w.payloadGen[name] = d.Generation
-				w.sentBytes[name] = d.Payload.Size()
+				size := d.Payload.Size()
+				w.sentTotal += size - w.sentBytes[name]
+				w.sentBytes[name] = size
 				if err := w.link.QueuePayload(st, d.Payload); err != nil {
 					return err
 				}
@@ -321,12 +327,7 @@ func (w *worker) overBound(name string, d *reconcile.DesiredMount) (guard string
 		}
 	}
 	size := d.Payload.Size()
-	total := size
-	for m, n := range w.sentBytes {
-		if m != name {
-			total += n
-		}
-	}
+	total := w.sentTotal - w.sentBytes[name] + size
 	if total <= w.cfg.MaxTotalSize {
 		return "", nil
 	}

@@ -42,6 +42,12 @@ type Remote struct {
 	// maxTotal is max_total_size: the payloads of every mount together
 	// stay within it (Budget).
 	maxTotal int64
+	// held is the bytes of every mount's payload together (the sum of
+	// their size), kept as payloads come and mounts go so that Budget,
+	// asked at every payload's start, costs no walk of every mount's
+	// files: 1,000 mounts of 100 keys made that walk half the monitor's
+	// work after a restart.
+	held int64
 }
 
 // SetMaxTotal sets the bound of every mount's payload together, in bytes
@@ -62,11 +68,9 @@ func (r *Remote) Budget(mount string) int64 {
 	if r.maxTotal <= 0 {
 		return -1
 	}
-	left := r.maxTotal
-	for name, rm := range r.mounts {
-		if name != mount {
-			left -= rm.payload.Size()
-		}
+	left := r.maxTotal - r.held
+	if rm := r.mounts[mount]; rm != nil {
+		left += rm.size
 	}
 	return max(left, 0)
 }
@@ -100,7 +104,9 @@ type remoteMount struct {
 	// state is the worker's last report, nil before the first.
 	state *MountState
 	// payload came after the report of generation payloadGen.
-	payload    projector.Payload
+	payload projector.Payload
+	// size is payload's bytes (projector.Payload.Size).
+	size       int64
 	revision   string
 	payloadGen uint64
 	payloadNew bool
@@ -147,6 +153,10 @@ func (r *Remote) SetMounts(mounts []*config.Mount) error {
 		}
 		next[m.Name] = &remoteMount{spec: m, domain: domainOf[m.Name], dirty: true}
 	}
+	r.held = 0
+	for _, rm := range next {
+		r.held += rm.size
+	}
 	r.mounts, r.sources, r.dsw = next, sources, nil
 	return nil
 }
@@ -171,7 +181,9 @@ func (r *Remote) HandlePayload(domain string, p *Payload) {
 		f.UID, f.GID, f.Mode = uid, gid, modeOf(name)
 		p.Files[name] = f
 	}
-	rm.payload, rm.revision, rm.payloadGen, rm.payloadNew = p.Files, p.Revision, rm.state.Generation, true
+	size := p.Files.Size()
+	r.held += size - rm.size
+	rm.payload, rm.size, rm.revision, rm.payloadGen, rm.payloadNew = p.Files, size, p.Revision, rm.state.Generation, true
 	r.touch(rm)
 }
 

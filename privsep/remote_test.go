@@ -34,3 +34,50 @@ func TestRemoteWakesAtIdle(t *testing.T) {
 		t.Errorf("desired mount %+v; want the payload of main@7", d)
 	}
 }
+
+// TestRemoteBudget: what max_total_size leaves for a mount's next payload
+// is the bound less every other mount's payload held — its own is
+// replaced —, kept as payloads are replaced and mounts leave.
+func TestRemoteBudget(t *testing.T) {
+	r := NewRemote()
+	mount := func(name string) *config.Mount {
+		return &config.Mount{Name: name, UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
+	}
+	payload := func(name string, sizes ...int) {
+		t.Helper()
+		files := projector.Payload{}
+		for i, n := range sizes {
+			files[string(rune('a'+i))] = projector.File{Data: make([]byte, n), Mode: 0o644}
+		}
+		r.HandleMessage("main", &MountState{Mount: name, Generation: 1, Revision: "main@1"})
+		r.HandlePayload("main", &Payload{Mount: name, Revision: "main@1", Files: files})
+	}
+	want := func(mount string, n int64) {
+		t.Helper()
+		if got := r.Budget(mount); got != n {
+			t.Errorf("Budget(%q) = %d; want %d", mount, got, n)
+		}
+	}
+	if err := r.SetMounts([]*config.Mount{mount("a"), mount("b"), mount("c")}); err != nil {
+		t.Fatal(err)
+	}
+	want("a", -1) // no max_total_size
+	r.SetMaxTotal(1000)
+	want("a", 1000)
+	payload("a", 100, 200)
+	payload("b", 400)
+	want("a", 600)
+	want("b", 700)
+	want("c", 300)
+	payload("a", 50) // replaced: 300 bytes are now 50
+	want("c", 550)
+	want("a", 600)
+	payload("b", 600, 500) // held past the bound: nothing is left
+	want("c", 0)
+	want("b", 950)
+	if err := r.SetMounts([]*config.Mount{mount("a"), mount("c")}); err != nil { // b leaves
+		t.Fatal(err)
+	}
+	want("c", 950)
+	want("nobody", 950)
+}
