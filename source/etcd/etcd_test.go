@@ -7,6 +7,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -142,6 +143,50 @@ func TestPagesReadAtOneRevision(t *testing.T) {
 		want[fmt.Sprintf("k%05d", i)] = "new"
 	}
 	rec.WaitFor(t, "the writes made during the read", sourcetest.Holds(want))
+}
+
+// TestPagesWithinTheBudget: under a bound on values (1 MiB, and 2 MiB),
+// a prefix of 100 small values is read in one page, not in pages of the
+// 15 keys that pageBudget holds at 1 MiB each; one of 13 values of 1.4 MB
+// (18 MB, more than pageBudget) has its first page refused by the gRPC
+// client for its size, and is read in pages that fit — every value kept.
+func TestPagesWithinTheBudget(t *testing.T) {
+	_, cli := etcdtest.Start(t)
+	var kv []string
+	for i := range 100 {
+		kv = append(kv, fmt.Sprintf("/small/k%03d", i), "v")
+	}
+	for i := 0; i < len(kv); i += 2 * 100 { // etcd takes at most 128 operations per transaction
+		etcdtest.Put(t, cli, kv[i:min(i+200, len(kv))]...)
+	}
+	big := strings.Repeat("x", 1_400_000)
+	for i := range 13 {
+		etcdtest.Put(t, cli, fmt.Sprintf("/large/k%02d", i), big)
+	}
+	var pages atomic.Int32
+	testHookAfterPage = func() { pages.Add(1) }
+	t.Cleanup(func() { testHookAfterPage = nil })
+	for _, tt := range []struct {
+		prefix    string
+		lim       source.Limits
+		keys      int
+		morePages bool
+	}{
+		{"/small/", source.Limits{MaxKeys: 1000, MaxValueSize: 1 << 20}, 100, false},
+		{"/large/", source.Limits{MaxKeys: 1000, MaxValueSize: 2 << 20}, 13, true},
+	} {
+		pages.Store(0)
+		entries, oversized, _, err := listPrefix(context.Background(), cli, tt.prefix, tt.lim, 0)
+		if err != nil {
+			t.Fatalf("%s: %v", tt.prefix, err)
+		}
+		if len(entries) != tt.keys || len(oversized) != 0 {
+			t.Errorf("%s: %d entries, %d oversized; want %d entries", tt.prefix, len(entries), len(oversized), tt.keys)
+		}
+		if got := pages.Load() > 0; got != tt.morePages {
+			t.Errorf("%s: read in %d pages; want more than one: %v", tt.prefix, pages.Load()+1, tt.morePages)
+		}
+	}
 }
 
 // TestCompactionRereads compacts the revision the watch would start from:
