@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"net/http"
 	"os"
 	"os/signal"
@@ -73,6 +72,9 @@ type worker struct {
 	// payloadGen the generation whose payload was last sent.
 	sent       map[string]*reconcile.DesiredMount
 	payloadGen map[string]uint64
+	// order is the configured mounts' names, sorted once per
+	// configuration, not at every pass: the order publish reports them in.
+	order []string
 	// sentBytes is the size of the payload last sent of each mount, and
 	// sentTotal their sum: what overBound weighs a new payload against,
 	// without a walk of every mount for each.
@@ -221,6 +223,11 @@ func (w *worker) apply(req applyRequest) error {
 	if err := w.pop.SetMounts(cfg.Mounts); err != nil {
 		return err
 	}
+	w.order = w.order[:0]
+	for _, m := range cfg.Mounts {
+		w.order = append(w.order, m.Name)
+	}
+	slices.Sort(w.order)
 	w.level.Set(cfg.LogLevel)
 	w.cfg = cfg
 	w.trigger.Fire()
@@ -267,9 +274,9 @@ func (w *worker) publish() error {
 			delete(w.sentBytes, name)
 		}
 	}
-	for _, name := range slices.Sorted(maps.Keys(dsw)) {
+	for _, name := range w.order {
 		d := dsw[name]
-		if w.sent[name] == d {
+		if d == nil || w.sent[name] == d {
 			continue
 		}
 		w.sent[name] = d

@@ -298,7 +298,14 @@ func (p *Populator) populate(pm *populated) bool {
 	if pm.frozen {
 		return took
 	}
-	states := make([]source.FeedState, len(pm.feeds))
+	// Most mounts have one feed, and most passes change few mounts: the
+	// states of a mount's first feeds live on the stack.
+	var inline [4]source.FeedState
+	states := inline[:0]
+	if len(pm.feeds) > len(inline) {
+		states = make([]source.FeedState, 0, len(pm.feeds))
+	}
+	states = states[:len(pm.feeds)]
 	changed, rebuild := pm.desired == nil, pm.desired == nil
 	for i, f := range pm.feeds {
 		states[i] = f.State()
