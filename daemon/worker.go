@@ -298,6 +298,9 @@ func (w *worker) publish() error {
 				if err := w.link.QueuePayload(st, d.Payload); err != nil {
 					return err
 				}
+				// The monitor holds it now; the worker builds the next
+				// one from the snapshots, not from this.
+				w.pop.ReleasePayload(name)
 				continue
 			}
 		}

@@ -354,7 +354,7 @@ func (p *Populator) populate(pm *populated) bool {
 		d.Generation = 0
 	case !rebuild && pm.desired != nil:
 		// Only health changed: same payload, same generation.
-		d.Payload, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
+		d.Payload, d.Released, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Released, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
 	case len(m.Templates) > 0:
 		// Rendering may take up to its timeout per template: off the
 		// loop, so that it delays this mount alone.
@@ -363,7 +363,7 @@ func (p *Populator) populate(pm *populated) bool {
 			d.Generation = 0 // nothing to project before the first build
 		} else {
 			// The last payload stays desired meanwhile; its health is now.
-			d.Payload, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
+			d.Payload, d.Released, d.Err, d.Generation, d.Revision, d.ChangedAt = pm.desired.Payload, pm.desired.Released, pm.desired.Err, pm.desired.Generation, pm.desired.Revision, pm.desired.ChangedAt
 		}
 	default:
 		p.generation++
@@ -378,6 +378,19 @@ func (p *Populator) populate(pm *populated) bool {
 		p.freeze(pm)
 	}
 	return true
+}
+
+// ReleasePayload drops the populator's reference to mount's payload,
+// which the caller has taken for good: a worker that sent it to the
+// monitor, which holds and writes it, and never reads it again. The
+// desired mount stays ready (DesiredMount.Released) with the same
+// generation, until its feeds publish anew. The payloads of 1,000 mounts
+// of 100 keys held past their sending were 9–10 MiB of a worker's
+// resident memory. A mount whose payload is not built is left as it is.
+func (p *Populator) ReleasePayload(mount string) {
+	if pm := p.mounts[mount]; pm != nil && pm.desired != nil && pm.desired.Payload != nil {
+		pm.desired.Payload, pm.desired.Released = nil, true
+	}
 }
 
 // options returns the options of pm's payload build.
@@ -466,7 +479,7 @@ func (p *Populator) freeze(pm *populated) {
 	p.releaseFeeds(pm)
 	pm.feeds, pm.snapshots, pm.versions = nil, nil, nil
 	pm.frozen, pm.stale = true, false
-	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}
+	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Released: pm.desired.Released, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}
 	p.log.Info("immutable mount has its payload; no longer following its sources", "mount", pm.spec.Name, "revision", pm.desired.Revision)
 }
 

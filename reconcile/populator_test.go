@@ -162,6 +162,41 @@ func TestPopulator(t *testing.T) {
 	}
 }
 
+// TestReleasePayload: a released payload leaves its mount ready at the
+// same generation, through a change of health; the next snapshot builds a
+// payload again, under a new generation.
+func TestReleasePayload(t *testing.T) {
+	cache := newFakeCache()
+	p := NewPopulatorFor(cache, discard)
+	if err := p.SetMounts([]*config.Mount{testMount("app", "/app/")}); err != nil {
+		t.Fatal(err)
+	}
+	feed := cache.feed("main", "/app/")
+	p.ReleasePayload("app") // nothing built yet: nothing to release
+	if d := p.Populate()["app"]; d.Ready() || d.Released {
+		t.Fatalf("before a snapshot: ready %v, released %v", d.Ready(), d.Released)
+	}
+	feed.publish("1", map[string]string{"a": "1"})
+	p.Populate()
+	p.ReleasePayload("app")
+	p.ReleasePayload("nobody")
+	check := func(step string, released bool, gen uint64, files string, stale bool) {
+		t.Helper()
+		d := p.Populate()["app"]
+		if !d.Ready() || d.Released != released || d.Generation != gen || (len(d.Stale) > 0) != stale {
+			t.Errorf("%s: ready %v released %v generation %d stale %v; want released %v, generation %d, stale %v", step, d.Ready(), d.Released, d.Generation, d.Stale, released, gen, stale)
+		}
+		if got := describeDesired(d); !strings.Contains(got, "files=["+files+"]") {
+			t.Errorf("%s: %s; want files=[%s]", step, got, files)
+		}
+	}
+	check("released", true, 1, "", false)
+	feed.fail(errors.New("unreachable"))
+	check("released, then the source down", true, 1, "", true)
+	feed.publish("2", map[string]string{"a": "2"})
+	check("a new snapshot (the source back)", false, 2, "a=2", false)
+}
+
 // TestPopulatorSetMounts: unchanged mounts keep their feeds, changed ones
 // are rebuilt, removed ones release theirs, an unknown source changes
 // nothing, and an immutable mount releases its feed once built and

@@ -18,8 +18,13 @@ import (
 type DesiredMount struct {
 	// Spec is the mount's configuration.
 	Spec *config.Mount
-	// Payload is the content to project, or nil while it cannot be built.
+	// Payload is the content to project, or nil while it cannot be built
+	// or once Released.
 	Payload projector.Payload
+	// Released is set when the payload was built and then handed over for
+	// good (Populator.ReleasePayload: a worker that sent it to the
+	// monitor): the mount is ready, and Payload is nil.
+	Released bool
 	// Generation increases whenever Payload or Spec is rebuilt.
 	Generation uint64
 	// ChangedAt is when this generation was built: the last change, from
@@ -38,8 +43,9 @@ type DesiredMount struct {
 	Stale []error
 }
 
-// Ready reports whether the mount's payload can be projected.
-func (d *DesiredMount) Ready() bool { return d.Payload != nil }
+// Ready reports whether the mount's payload can be projected (or was
+// built and released).
+func (d *DesiredMount) Ready() bool { return d.Payload != nil || d.Released }
 
 // DesiredState is the desired state of world: every configured mount by
 // name.
