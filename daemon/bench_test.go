@@ -848,6 +848,22 @@ func writeFsyncFloor(b *testing.B, base string, dirs, files int, value []byte, l
 	return time.Since(t0)
 }
 
+// benchLog returns where a benchmark's kvmount logs: the file named by
+// KVMOUNT_BENCH_LOG (appended to, to read a run's timeline afterwards), or
+// nowhere.
+func benchLog(b *testing.B) io.Writer {
+	path := os.Getenv("KVMOUNT_BENCH_LOG")
+	if path == "" {
+		return io.Discard
+	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { f.Close() })
+	return f
+}
+
 func scale100kKeys(b *testing.B, bin string) {
 	const mounts, keys = 1000, 100
 	store := etcdStore(b)
@@ -862,8 +878,10 @@ func scale100kKeys(b *testing.B, bin string) {
 	base := keepUntilExit(b)
 	var cfg strings.Builder
 	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s[sources.main]\n%s", filepath.Join(base, "state"), noAdmin(b, bin), store.source)
+	// KVMOUNT_BENCH_MOUNT_EXTRA adds settings to every mount (lines, each
+	// ending in a newline), such as max_value_size = "64KiB", to compare.
 	for m := range mounts {
-		fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"/scale/m%04d/\"\n", m, filepath.Join(base, "mnt", fmt.Sprintf("m%04d", m)), m)
+		fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%04d\"\ndir = %q\nsource = \"main\"\nprefix = \"/scale/m%04d/\"\n%s", m, filepath.Join(base, "mnt", fmt.Sprintf("m%04d", m)), m, os.Getenv("KVMOUNT_BENCH_MOUNT_EXTRA"))
 	}
 	configPath := filepath.Join(base, "kvmount.toml")
 	if err := os.WriteFile(configPath, []byte(cfg.String()), 0o644); err != nil {
@@ -872,7 +890,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	last := filepath.Join(base, "mnt", fmt.Sprintf("m%04d", mounts-1))
 	start := func() *exec.Cmd {
 		cmd := exec.Command(bin, "run", "-config", configPath)
-		cmd.Stderr = io.Discard
+		cmd.Stderr = benchLog(b)
 		if err := cmd.Start(); err != nil {
 			b.Fatal(err)
 		}
@@ -918,6 +936,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	// garbage collection or two.
 	time.Sleep(8 * time.Second)
 	rss, pss, workerRSS := treeMemory(b, cmd.Process.Pid)
+	monitorAnon, workerAnon, filePSS := memoryParts(b, cmd.Process.Pid)
 	stop(cmd)
 	unchanged := filepath.Join(base, "mnt", "m0001", "..data")
 	first, err := os.Readlink(unchanged)
@@ -965,6 +984,24 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
 	b.ReportMetric(float64(pss)/(1<<20), "pss-MiB")
 	b.ReportMetric(float64(workerRSS)/(1<<20), "rss-worker-MiB")
+	b.ReportMetric(float64(monitorAnon)/(1<<20), "pss-anon-monitor-MiB")
+	b.ReportMetric(float64(workerAnon)/(1<<20), "pss-anon-worker-MiB")
+	b.ReportMetric(float64(filePSS)/(1<<20), "pss-file-MiB")
+}
+
+// memoryParts splits the PSS of kvmount as process pid and its workers
+// (smaps_rollup): the monitor's anonymous memory (its heap, stacks and
+// runtime), the workers' together, and the pages of files — the binary's,
+// shared by all — of every process together.
+func memoryParts(b *testing.B, pid int) (monitorAnon, workerAnon, file int64) {
+	m := processMemory(b, pid)
+	monitorAnon, file = m["Pss_Anon"], m["Pss_File"]
+	for _, child := range childPIDs(b, pid) {
+		w := processMemory(b, child)
+		workerAnon += w["Pss_Anon"]
+		file += w["Pss_File"]
+	}
+	return monitorAnon, workerAnon, file
 }
 
 // treeMemory returns the memory at rest of kvmount as process pid and its
