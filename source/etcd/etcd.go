@@ -291,60 +291,69 @@ func span(prefix string) (key, end string) {
 // with the header of the read that pinned the revision, bounded by lim
 // (what the mounts following the prefix take at most): a value over
 // lim.MaxValueSize is not kept but its key and size go to oversized; a
-// prefix of more keys than lim.MaxKeys is refused by the count its first
-// page carries (a page of at most lim.MaxKeys+1 keys), before any value is
-// kept; one of more bytes of values than lim.MaxBytes as soon as a page
-// passes them; both with an error wrapping source.ErrOverLimits. The
-// first page pins the revision the others read.
+// prefix of more keys than lim.MaxKeys is refused by its count, before
+// any value is kept; one of more bytes of values than lim.MaxBytes as soon
+// as a page passes them; both with an error wrapping source.ErrOverLimits.
+// The first request pins the revision the others read.
 //
-// A page asks for pageSize keys. When lim bounds the values, its response
-// may hold pageBudget bytes at most, which the gRPC client checks before
-// it reads the response into memory (grpc.MaxCallRecvMsgSize); a page
-// refused for its size is asked again, and the rest of the read goes on,
-// at the keys that many bytes hold at lim.MaxValueSize. Small values are
-// so read a thousand to a request, not the 15 that 16 MiB hold at the
-// default max_value_size of 1 MiB: 1,000 prefixes of 100 small keys took
-// 8,000 requests — a request for the count alone, then 7 pages each —,
-// and a restart at that size 0.9–1.0 s, where they now take 1,000.
+// The pages are sized by what they hold, which the gRPC client checks
+// before it reads a response into memory (grpc.MaxCallRecvMsgSize), not
+// by the most the values could hold. When lim bounds the keys, the first
+// page asks for at most lim.MaxKeys+1 keys in at most firstPageBudget
+// bytes; it carries the count. A first page refused for its size is
+// followed by a request for the count alone, so that a prefix over the
+// limit is refused with no value read. Then pages of pageSize keys in at
+// most pageBudget bytes; a page refused for its size is asked again, and
+// the rest of the read goes on, in as many keys as pageBudget holds at
+// lim.MaxValueSize. Small values are so read a thousand to a request, not
+// the 15 that 16 MiB hold at the default max_value_size of 1 MiB: 1,000
+// prefixes of 100 small keys took 8,000 requests — a count, then 7 pages
+// each — and a restart at that size 0.9–1.0 s; they now take 1,000.
 func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim source.Limits, rev int64) (entries map[string][]byte, oversized map[string]int64, header *etcdserverpb.ResponseHeader, err error) {
 	key, end := span(prefix)
-	page, safe := int64(pageSize), int64(pageSize)
-	// clientv3's Get takes no gRPC call options: the pages go through its
-	// KV client with the options its Get passes (it waits for a ready
-	// connection; connect sets the bound of a response), the bound of a
-	// page last.
-	calls := []grpc.CallOption{grpc.WaitForReady(true), grpc.MaxCallRecvMsgSize(maxRecvMsgSize)}
+	r := pageReader{kv: clientv3.RetryKVClient(cli), prefix: prefix, start: key, end: end, rev: rev, page: pageSize, safe: pageSize}
+	budget := maxRecvMsgSize
 	if lim.MaxValueSize > 0 {
-		safe = max(1, min(page, pageBudget/(lim.MaxValueSize+1024)))
-		calls = append(calls, grpc.MaxCallRecvMsgSize(pageBudget))
+		budget, r.safe = pageBudget, max(1, min(pageSize, pageBudget/(lim.MaxValueSize+1024)))
 	}
-	if lim.MaxKeys > 0 {
-		// A prefix over the limit shows it by the first page's count
-		// with no more values read than a prefix within it has.
-		page, safe = min(page, int64(lim.MaxKeys)+1), min(safe, int64(lim.MaxKeys)+1)
+	r.budget = budget
+	counted := lim.MaxKeys <= 0
+	if !counted {
+		r.page, r.safe = min(r.page, int64(lim.MaxKeys)+1), min(r.safe, int64(lim.MaxKeys)+1)
+		r.budget = min(budget, firstPageBudget)
 	}
-	kv := clientv3.RetryKVClient(cli)
 	var kept int64
 	for {
-		rctx, cancel := context.WithTimeout(ctx, requestTimeout)
-		resp, err := kv.Range(rctx, &etcdserverpb.RangeRequest{Key: []byte(key), RangeEnd: []byte(end), Limit: page, Revision: rev}, calls...)
-		if status.Code(err) == codes.ResourceExhausted && page > safe {
-			// Larger than pageBudget (or the server's "too many
-			// requests"): the rest in pages that fit whatever the values.
-			cancel()
-			page = safe
-			continue
+		resp, err := r.read(ctx, key)
+		if errors.Is(err, errPageTooLarge) {
+			switch {
+			case !counted:
+				// Values too large for a first page: the count alone,
+				// then pages of the usual budget.
+				counted = true
+				resp, err := r.count(ctx)
+				if err != nil {
+					return nil, nil, nil, err
+				}
+				header = resp.Header
+				if err := lim.Check(int(resp.Count), 0); err != nil {
+					return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
+				}
+				r.budget = budget
+				continue
+			case r.page > r.safe:
+				r.page = r.safe // the rest in pages that fit whatever the values
+				continue
+			}
 		}
-		err = clientv3.ContextError(rctx, err) // as clientv3's Get returns it
-		cancel()
 		if err != nil {
 			return nil, nil, nil, fmt.Errorf("source/etcd: read %s: %w", prefix, err)
 		}
 		if header == nil {
 			header = resp.Header
-			if rev == 0 {
-				rev = resp.Header.Revision
-			}
+		}
+		if entries == nil {
+			counted, r.budget = true, budget
 			if err := lim.Check(int(resp.Count), 0); err != nil {
 				return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 			}
@@ -364,6 +373,70 @@ func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim so
 		}
 		key = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
+}
+
+// firstPageBudget bounds the response of a read's first page, in bytes,
+// when the mounts bound a prefix's keys: a prefix of many large values
+// is counted before its values are read (listPrefix).
+const firstPageBudget = 1 << 20
+
+// errPageTooLarge is returned by pageReader.read for a page whose response
+// passes its budget, or that the server refused as too many requests
+// (both codes.ResourceExhausted): it is asked again in fewer keys.
+var errPageTooLarge = errors.New("a page's response larger than its budget, or too many requests")
+
+// pageReader reads the pages of one prefix — the keys from start to end —:
+// at most page keys, in a response of at most budget bytes, at rev once
+// pinned (0 before).
+type pageReader struct {
+	kv                 etcdserverpb.KVClient
+	prefix, start, end string
+	rev                int64
+	page, safe         int64
+	budget             int
+}
+
+// read returns the page from key, and pins the read's revision.
+func (r *pageReader) read(ctx context.Context, key string) (*etcdserverpb.RangeResponse, error) {
+	// clientv3's Get takes no gRPC call options: the pages go through its
+	// KV client with the options its Get passes (it waits for a ready
+	// connection), and the page's budget.
+	rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	resp, err := r.kv.Range(rctx, &etcdserverpb.RangeRequest{Key: []byte(key), RangeEnd: []byte(r.end), Limit: r.page, Revision: r.rev},
+		grpc.WaitForReady(true), grpc.MaxCallRecvMsgSize(r.budget))
+	if status.Code(err) == codes.ResourceExhausted {
+		return nil, errPageTooLarge
+	}
+	if err != nil {
+		return nil, clientv3.ContextError(rctx, err) // as clientv3's Get returns it
+	}
+	if r.rev == 0 {
+		r.rev = resp.Header.Revision
+	}
+	if testHookPageRead != nil {
+		testHookPageRead(len(resp.Kvs))
+	}
+	return resp, nil
+}
+
+// testHookPageRead, when set by a test, is told the keys of each page
+// read.
+var testHookPageRead func(keys int)
+
+// count returns the number of keys under the prefix alone, and pins the
+// read's revision.
+func (r *pageReader) count(ctx context.Context) (*etcdserverpb.RangeResponse, error) {
+	rctx, cancel := context.WithTimeout(ctx, requestTimeout)
+	defer cancel()
+	resp, err := r.kv.Range(rctx, &etcdserverpb.RangeRequest{Key: []byte(r.start), RangeEnd: []byte(r.end), CountOnly: true, Revision: r.rev}, grpc.WaitForReady(true))
+	if err != nil {
+		return nil, fmt.Errorf("source/etcd: read %s: %w", r.prefix, clientv3.ContextError(rctx, err))
+	}
+	if r.rev == 0 {
+		r.rev = resp.Header.Revision
+	}
+	return resp, nil
 }
 
 // addPacked adds kvs to entries under their keys relative to prefix, with

@@ -7,7 +7,6 @@ import (
 	"net"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -148,8 +147,10 @@ func TestPagesReadAtOneRevision(t *testing.T) {
 // TestPagesWithinTheBudget: under a bound on values (1 MiB, and 2 MiB),
 // a prefix of 100 small values is read in one page, not in pages of the
 // 15 keys that pageBudget holds at 1 MiB each; one of 13 values of 1.4 MB
-// (18 MB, more than pageBudget) has its first page refused by the gRPC
-// client for its size, and is read in pages that fit — every value kept.
+// (18 MB, more than pageBudget) has its first pages refused by the gRPC
+// client for their size, and is read in pages that fit — every value
+// kept; under a bound of 5 keys it is refused by its count with no page
+// read.
 func TestPagesWithinTheBudget(t *testing.T) {
 	_, cli := etcdtest.Start(t)
 	var kv []string
@@ -163,28 +164,31 @@ func TestPagesWithinTheBudget(t *testing.T) {
 	for i := range 13 {
 		etcdtest.Put(t, cli, fmt.Sprintf("/large/k%02d", i), big)
 	}
-	var pages atomic.Int32
-	testHookAfterPage = func() { pages.Add(1) }
-	t.Cleanup(func() { testHookAfterPage = nil })
+	var pages []int
+	testHookPageRead = func(keys int) { pages = append(pages, keys) }
+	t.Cleanup(func() { testHookPageRead = nil })
 	for _, tt := range []struct {
-		prefix    string
-		lim       source.Limits
-		keys      int
-		morePages bool
+		prefix string
+		lim    source.Limits
+		keys   int
+		pages  string
 	}{
-		{"/small/", source.Limits{MaxKeys: 1000, MaxValueSize: 1 << 20}, 100, false},
-		{"/large/", source.Limits{MaxKeys: 1000, MaxValueSize: 2 << 20}, 13, true},
+		{"/small/", source.Limits{MaxKeys: 1000, MaxValueSize: 1 << 20}, 100, "[100]"},
+		{"/large/", source.Limits{MaxKeys: 1000, MaxValueSize: 2 << 20}, 13, "[7 6]"},
+		{"/large/", source.Limits{MaxKeys: 5, MaxValueSize: 2 << 20}, -1, "[]"},
 	} {
-		pages.Store(0)
+		pages = []int{}
 		entries, oversized, _, err := listPrefix(context.Background(), cli, tt.prefix, tt.lim, 0)
-		if err != nil {
+		switch {
+		case tt.keys < 0 && !errors.Is(err, source.ErrOverLimits):
+			t.Errorf("%s under %d keys: %v; want ErrOverLimits", tt.prefix, tt.lim.MaxKeys, err)
+		case tt.keys >= 0 && err != nil:
 			t.Fatalf("%s: %v", tt.prefix, err)
-		}
-		if len(entries) != tt.keys || len(oversized) != 0 {
+		case tt.keys >= 0 && (len(entries) != tt.keys || len(oversized) != 0):
 			t.Errorf("%s: %d entries, %d oversized; want %d entries", tt.prefix, len(entries), len(oversized), tt.keys)
 		}
-		if got := pages.Load() > 0; got != tt.morePages {
-			t.Errorf("%s: read in %d pages; want more than one: %v", tt.prefix, pages.Load()+1, tt.morePages)
+		if got := fmt.Sprint(pages); got != tt.pages {
+			t.Errorf("%s under %d keys: pages of %s keys read; want %s", tt.prefix, tt.lim.MaxKeys, got, tt.pages)
 		}
 	}
 }
