@@ -49,7 +49,8 @@ const fleetIdle = 30 * time.Second
 // daemon had it ("all-*"); on the cluster, the leader killed and a write
 // through the survivors — the time until they acknowledge it, from then
 // until every daemon shows it, and the range reads and requests the
-// survivors served ("leader-lost-*"); last the herd of a package
+// survivors served ("leader-lost-*"), then the same with a follower
+// killed ("follower-lost-*"); last the herd of a package
 // upgrade — every daemon stopped, a write, every daemon started at once —
 // the time until all show the write, the store's requests per second and
 // CPU meanwhile, and on the cluster its range reads ("herd-*"). Run with
@@ -109,11 +110,12 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 		return total
 	}
 	metric := func(name string) float64 { return metricOf(name) }
-	// leaderLost kills the leader, runs during, and returns the range
-	// reads and requests the two survivors served meanwhile (a killed
-	// member's counters start again at 0); then restarts the member and
-	// waits until the cluster takes a write through it.
-	leaderLost := func(during func()) (ranges, requests float64) {
+	// memberLost kills the leader (or a follower), runs during, and
+	// returns the range reads and requests the two survivors served
+	// meanwhile (a killed member's counters start again at 0); then
+	// restarts the member and waits until the cluster takes a write
+	// through it.
+	memberLost := func(leaderToo bool, during func()) (ranges, requests float64) {
 		ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Timeout)
 		defer cancel()
 		st, err := cli.Status(ctx, c.Members[0].ClientURL)
@@ -121,19 +123,26 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 			b.Fatal(err)
 		}
 		leader := c.ByID(b, cli, st.Leader)
+		lost := leader
+		if !leaderToo {
+			lost = c.Members[0]
+			if lost == leader {
+				lost = c.Members[1]
+			}
+		}
 		var survivors []*etcdtest.Member
 		for _, m := range c.Members {
-			if m != leader {
+			if m != lost {
 				survivors = append(survivors, m)
 			}
 		}
 		r0, q0 := metricOf("etcd_mvcc_range_total", survivors...), metricOf("grpc_server_msg_received_total", survivors...)
-		leader.Kill()
+		lost.Kill()
 		during()
 		ranges = metricOf("etcd_mvcc_range_total", survivors...) - r0
 		requests = metricOf("grpc_server_msg_received_total", survivors...) - q0
-		leader.Restart(b)
-		one := c.Client(b, leader)
+		lost.Restart(b)
+		one := c.Client(b, lost)
 		for deadline := time.Now().Add(etcdtest.Timeout); ; time.Sleep(100 * time.Millisecond) {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 			_, err := one.Put(ctx, "/etcdtest/ready", "1")
@@ -148,7 +157,7 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 		return ranges, requests
 	}
 	return fleetStore{
-		leaderLost: leaderLost,
+		memberLost: memberLost,
 		benchStore: benchStore{
 			source:   fmt.Sprintf("type = \"etcd\"\nendpoints = [%s]\n", strings.Join(quoted, ", ")),
 			endpoint: endpoints[0],
@@ -182,10 +191,11 @@ type fleetStore struct {
 	// and ranges how many range reads (nil where it cannot tell).
 	requests func() float64
 	ranges   func() float64
-	// leaderLost, where the store is a cluster, kills its leader, runs
-	// during, restarts the member, and returns the range reads and
-	// requests the survivors served during it.
-	leaderLost func(during func()) (ranges, requests float64)
+	// memberLost, where the store is a cluster, kills its leader (or,
+	// leaderToo unset, a follower), runs during, restarts the member, and
+	// returns the range reads and requests the survivors served during
+	// it.
+	memberLost func(leaderToo bool, during func()) (ranges, requests float64)
 }
 
 // fleetEtcd is an in-process etcd: its CPU is this process's (idle but
@@ -401,19 +411,26 @@ prefix = "%svm%04d/"
 	b.StopTimer()
 	cpuW = store.cpu() - cpuW
 
-	// The herd of a lost leader: the leader killed, a write through the
-	// others; the time until the store acknowledges it, from then until
-	// every daemon shows it, and the range reads
-	// (re-reads) and requests the survivors served meanwhile, against
-	// resumed watches, which read nothing.
-	if store.leaderLost != nil {
+	// The herds of a lost member — the leader, then a follower —: the
+	// member killed, a write through the others; the time until the store
+	// acknowledges it, from then until every daemon shows it, and the
+	// range reads (re-reads) and requests the survivors served meanwhile,
+	// against resumed watches, which read nothing.
+	for _, lost := range []struct {
+		name      string
+		leaderToo bool
+	}{{"leader-lost", true}, {"follower-lost", false}} {
+		if store.memberLost == nil {
+			break
+		}
+		value := "after the " + lost.name
 		var acked, took time.Duration
-		ranges, reqs := store.leaderLost(func() {
+		ranges, reqs := store.memberLost(lost.leaderToo, func() {
 			t0 := time.Now()
 			// The first puts may time out while the survivors elect a
 			// leader.
 			for deadline := time.Now().Add(waitTimeout); ; time.Sleep(100 * time.Millisecond) {
-				err := store.put(shared+"key", "after the leader")
+				err := store.put(shared+"key", value)
 				if err == nil {
 					break
 				}
@@ -423,17 +440,17 @@ prefix = "%svm%04d/"
 			}
 			acked = time.Since(t0)
 			t0 = time.Now()
-			waitProjected(b, n, 5*waitTimeout, "daemons showed the write after the leader was lost", func(i int) bool {
+			waitProjected(b, n, 5*waitTimeout, "daemons showed the write after the "+lost.name, func(i int) bool {
 				data, err := os.ReadFile(filepath.Join(sharedDir(i), "key"))
-				return err == nil && string(data) == "after the leader"
+				return err == nil && string(data) == value
 			})
 			took = time.Since(t0)
 			time.Sleep(5 * time.Second) // what follows at once: re-reads, re-watches
 		})
-		b.ReportMetric(acked.Seconds(), "leader-lost-write-acked-s")
-		b.ReportMetric(took.Seconds(), "leader-lost-all-current-s")
-		b.ReportMetric(ranges, "leader-lost-ranges")
-		b.ReportMetric(reqs, "leader-lost-requests")
+		b.ReportMetric(acked.Seconds(), lost.name+"-write-acked-s")
+		b.ReportMetric(took.Seconds(), lost.name+"-all-current-s")
+		b.ReportMetric(ranges, lost.name+"-ranges")
+		b.ReportMetric(reqs, lost.name+"-requests")
 	}
 
 	// The herd of a package upgrade: every daemon stopped, a write to the
