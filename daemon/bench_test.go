@@ -112,11 +112,16 @@ func consulStore(b *testing.B) benchStore {
 
 // consulStoreOf is the store of a running agent.
 func consulStoreOf(b *testing.B, agent *consultest.Agent) benchStore {
-	client := agent.Client()
+	return consulStoreAt(b, agent.Addr(), agent.Client())
+}
+
+// consulStoreAt is the store of the agent at addr ("host:port"), written
+// through client.
+func consulStoreAt(b *testing.B, addr string, client *api.Client) benchStore {
 	return benchStore{
-		source:   fmt.Sprintf("type = \"consul\"\naddress = %q\n", agent.URL()),
-		endpoint: agent.URL(),
-		port:     agentPort(agent.Addr()),
+		source:   fmt.Sprintf("type = \"consul\"\naddress = %q\n", "http://"+addr),
+		endpoint: "http://" + addr,
+		port:     agentPort(addr),
 		prefix:   "bench/",
 		put: func(key, value string) error {
 			_, err := client.KV().Put(&api.KVPair{Key: key, Value: []byte(value)}, nil)

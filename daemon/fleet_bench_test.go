@@ -37,7 +37,9 @@ const fleetIdle = 30 * time.Second
 // etcd ("etcd"), a 3-member etcd cluster of separate processes directly
 // ("etcd-cluster") and through one etcd gRPC proxy ("etcd-proxy"), then
 // one Consul agent whose limits.http_max_conns_per_client is raised (all
-// the daemons connect from 127.0.0.1; their blocking queries wait 15 s).
+// the daemons connect from 127.0.0.1; their blocking queries wait 15 s),
+// and the same as a client agent in front of 3 servers
+// ("consul-cluster").
 // It reports the time to project all N from cold; at rest, over
 // fleetIdle, the store's CPU (also alone, before the daemons start), the
 // requests it served per second and the daemons' memory (the sum of the
@@ -67,6 +69,7 @@ func BenchmarkFleet(b *testing.B) {
 	b.Run("etcd-cluster", func(b *testing.B) { benchFleet(b, n, fleetEtcdCluster(b, false)) })
 	b.Run("etcd-proxy", func(b *testing.B) { benchFleet(b, n, fleetEtcdCluster(b, true)) })
 	b.Run("consul", func(b *testing.B) { benchFleet(b, n, fleetConsul(b, n)) })
+	b.Run("consul-cluster", func(b *testing.B) { benchFleet(b, n, fleetConsulCluster(b, n)) })
 }
 
 // fleetEtcdCluster is a 3-member etcd cluster of separate processes
@@ -242,35 +245,65 @@ func fleetConsul(b *testing.B, n int) fleetStore {
 	// 15 s (instead of 5 min) so that a rest of fleetIdle sees each
 	// daemon's query return about twice.
 	store.source += "wait = \"15s\"\n"
-	asked := 0.0
 	return fleetStore{
 		benchStore: store,
 		cpu: func() time.Duration {
 			return processCPU(b, agent.PID())
 		},
-		requests: func() float64 {
-			resp, err := http.Get(agent.URL() + "/v1/agent/metrics?format=prometheus")
-			if err != nil {
-				b.Fatal(err)
+		requests: consulRequests(b, agent.URL()),
+	}
+}
+
+// fleetConsulCluster is Consul as production runs it: 3 servers and a
+// client agent the daemons talk to (consultest.StartCluster), every
+// daemon's blocking queries waiting 15 s, as fleetConsul's. Its CPU is
+// the four agents', its requests the HTTP requests the client agent
+// served.
+func fleetConsulCluster(b *testing.B, n int) fleetStore {
+	c := consultest.StartClusterWith(b, 3,
+		"-hcl", fmt.Sprintf("limits { http_max_conns_per_client = %d }", 10*n+200),
+		"-hcl", `telemetry { prometheus_retention_time = "1h" disable_hostname = true }`)
+	store := consulStoreAt(b, c.Client.Addr(), c.Client.APIClient())
+	store.source += "wait = \"15s\"\n"
+	return fleetStore{
+		benchStore: store,
+		cpu: func() time.Duration {
+			total := processCPU(b, c.Client.PID())
+			for _, s := range c.Servers {
+				total += processCPU(b, s.PID())
 			}
-			defer resp.Body.Close()
-			body, _ := io.ReadAll(resp.Body)
-			parser := expfmt.NewTextParser(model.UTF8Validation)
-			families, err := parser.TextToMetricFamilies(bytes.NewReader(body))
-			if err != nil {
-				b.Fatalf("agent metrics: %v", err)
-			}
-			f := families["consul_api_http"]
-			if f == nil {
-				b.Fatalf("agent metrics lack consul_api_http")
-			}
-			total := 0.0
-			for _, m := range f.GetMetric() {
-				total += float64(m.GetSummary().GetSampleCount())
-			}
-			asked++
-			return total - (asked - 1)
+			return total
 		},
+		requests: consulRequests(b, "http://"+c.Client.Addr()),
+	}
+}
+
+// consulRequests returns a count of the HTTP requests the agent at url
+// served (consul_api_http), less the requests for the count itself.
+func consulRequests(b *testing.B, url string) func() float64 {
+	asked := 0.0
+	return func() float64 {
+		resp, err := http.Get(url + "/v1/agent/metrics?format=prometheus")
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer resp.Body.Close()
+		body, _ := io.ReadAll(resp.Body)
+		parser := expfmt.NewTextParser(model.UTF8Validation)
+		families, err := parser.TextToMetricFamilies(bytes.NewReader(body))
+		if err != nil {
+			b.Fatalf("agent metrics: %v", err)
+		}
+		f := families["consul_api_http"]
+		if f == nil {
+			b.Fatalf("agent metrics lack consul_api_http")
+		}
+		total := 0.0
+		for _, m := range f.GetMetric() {
+			total += float64(m.GetSummary().GetSampleCount())
+		}
+		asked++
+		return total - (asked - 1)
 	}
 }
 

@@ -31,6 +31,8 @@ type Cluster struct {
 
 	bin string
 	tb  testing.TB
+	// clientArgs are further arguments of the client agent.
+	clientArgs []string
 }
 
 // Node is one consul agent process of a Cluster.
@@ -55,7 +57,14 @@ type Node struct {
 // when the test ends, and its logs are shown if the test failed.
 func StartCluster(tb testing.TB, n int) *Cluster {
 	tb.Helper()
-	c := &Cluster{bin: Binary(tb), tb: tb}
+	return StartClusterWith(tb, n)
+}
+
+// StartClusterWith is StartCluster with further arguments of the client
+// agent, such as "-hcl" and a setting.
+func StartClusterWith(tb testing.TB, n int, clientArgs ...string) *Cluster {
+	tb.Helper()
+	c := &Cluster{bin: Binary(tb), tb: tb, clientArgs: clientArgs}
 	var held []net.Listener
 	port := func(ip string) int {
 		l, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
@@ -143,6 +152,8 @@ func (n *Node) Start() {
 		"-hcl", "disable_update_check = true"}
 	if n.server {
 		args = append(args, "-server", "-bootstrap-expect", strconv.Itoa(len(n.c.Servers)))
+	} else {
+		args = append(args, n.c.clientArgs...)
 	}
 	cmd := exec.Command(n.c.bin, append(args, joins...)...)
 	cmd.Stdout, cmd.Stderr = &n.logs, &n.logs
