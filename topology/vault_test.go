@@ -400,24 +400,7 @@ func TestVaultHACluster(t *testing.T) {
 	// settle waits until the mount app holds the last acknowledged write.
 	settle := func(what string) {
 		t.Helper()
-		want := h.lastAcked()
-		deadline := time.Now().Add(waitTimeout)
-		for {
-			h.mu.Lock()
-			reads := h.reads["app"]
-			got := 0
-			if len(reads) > 0 {
-				got = reads[len(reads)-1].n
-			}
-			h.mu.Unlock()
-			if got >= want {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("after %s: app holds %d, Vault %d", what, got, want)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		h.waitHeld(t, what, []string{"app"}, &st)
 	}
 	// outage runs fault, waits until Vault answers again, records the
 	// window, then runs heal (when not nil) and settles.
