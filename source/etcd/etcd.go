@@ -406,7 +406,7 @@ func (r *pageReader) read(ctx context.Context, key string) (*etcdserverpb.RangeR
 	resp, err := r.kv.Range(rctx, &etcdserverpb.RangeRequest{Key: []byte(key), RangeEnd: []byte(r.end), Limit: r.page, Revision: r.rev},
 		grpc.WaitForReady(true), grpc.MaxCallRecvMsgSize(r.budget))
 	if status.Code(err) == codes.ResourceExhausted {
-		return nil, errPageTooLarge
+		return nil, fmt.Errorf("%w (%v)", errPageTooLarge, err)
 	}
 	if err != nil {
 		return nil, clientv3.ContextError(rctx, err) // as clientv3's Get returns it
