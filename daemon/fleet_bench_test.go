@@ -118,7 +118,7 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 	// meanwhile (a killed member's counters start again at 0); then
 	// restarts the member and waits until the cluster takes a write
 	// through it.
-	memberLost := func(leaderToo bool, during func()) (ranges, requests float64) {
+	memberLost := func(killLeader bool, during func()) (ranges, requests float64) {
 		ctx, cancel := context.WithTimeout(context.Background(), etcdtest.Timeout)
 		defer cancel()
 		st, err := cli.Status(ctx, c.Members[0].ClientURL)
@@ -127,7 +127,7 @@ func fleetEtcdCluster(b *testing.B, viaProxy bool) fleetStore {
 		}
 		leader := c.ByID(b, cli, st.Leader)
 		lost := leader
-		if !leaderToo {
+		if !killLeader {
 			lost = c.Members[0]
 			if lost == leader {
 				lost = c.Members[1]
@@ -195,10 +195,10 @@ type fleetStore struct {
 	requests func() float64
 	ranges   func() float64
 	// memberLost, where the store is a cluster, kills its leader (or,
-	// leaderToo unset, a follower), runs during, restarts the member, and
+	// killLeader unset, a follower), runs during, restarts the member, and
 	// returns the range reads and requests the survivors served during
 	// it.
-	memberLost func(leaderToo bool, during func()) (ranges, requests float64)
+	memberLost func(killLeader bool, during func()) (ranges, requests float64)
 }
 
 // fleetEtcd is an in-process etcd: its CPU is this process's (idle but
@@ -450,15 +450,15 @@ prefix = "%svm%04d/"
 	// range reads (re-reads) and requests the survivors served meanwhile,
 	// against resumed watches, which read nothing.
 	for _, lost := range []struct {
-		name      string
-		leaderToo bool
+		name       string
+		killLeader bool
 	}{{"leader-lost", true}, {"follower-lost", false}} {
 		if store.memberLost == nil {
 			break
 		}
 		value := "after the " + lost.name
 		var acked, took time.Duration
-		ranges, reqs := store.memberLost(lost.leaderToo, func() {
+		ranges, reqs := store.memberLost(lost.killLeader, func() {
 			t0 := time.Now()
 			// The first puts may time out while the survivors elect a
 			// leader.
