@@ -36,7 +36,8 @@ import (
 // after a backoff, while the group's watch goes on for the others.
 // Compaction, a watch cancelled by the server, a revision that goes back
 // or a new cluster ID make the whole group read again; a stalled member
-// (stall.go) makes it start again elsewhere.
+// (stall.go) makes its watch resume elsewhere, on a new stream, from the
+// revision of the last event it routed, reading nothing again.
 //
 // Where etcd's authorization refuses the watch of a group's prefix (a
 // user granted each prefix alone), the group's members are watched one by

@@ -24,14 +24,20 @@ import (
 
 // runGroup runs g's watch until ctx is done: a read of every member at one
 // revision and a watch from it, again after each error (with backoff,
-// and at once for a resync).
+// and at once for a resync); after a stall, the watch alone, from where it
+// stood.
 func (s *Source) runGroup(ctx context.Context, g *group) {
 	log := s.log.With("group", g.prefix)
 	bo := source.NewBackoff()
+	var resume *errResume
 	for {
-		err := s.groupCycle(ctx, g, log)
+		err := s.groupCycle(ctx, g, log, resume)
 		if ctx.Err() != nil {
 			return
+		}
+		if resume = nil; errors.As(err, &resume) {
+			log.Info("watching the group's prefix again, on another member, from where it stood", "revision", resume.rev, "reason", resume.err)
+			continue
 		}
 		if errors.Is(err, errResync) {
 			log.Info("re-reading the group's prefixes", "reason", err)
@@ -93,16 +99,38 @@ func (r *revisions) observe(h *etcdserverpb.ResponseHeader) error {
 	return nil
 }
 
+// errResume is returned by a group's watch that stalled (stall.go) after
+// it had routed every event up to rev: the group watches again from rev,
+// on a new stream to another member, instead of reading its prefixes
+// again — a lost member makes a fleet resume, not re-read (issue 37's
+// herds). revs are the revision checks' state, kept across.
+type errResume struct {
+	err  error
+	rev  int64
+	revs revisions
+}
+
+func (e *errResume) Error() string { return e.err.Error() }
+func (e *errResume) Unwrap() error { return e.err }
+
 // groupCycle reads every member of g at one revision, publishes each, and
-// watches g's prefix from that revision until the watch ends; it always
-// returns an error saying why.
-func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) error {
+// watches g's prefix from that revision until the watch ends; resuming a
+// stalled watch (resume), it watches from where that stood and reads
+// nothing but members not read yet. It always returns an error saying
+// why.
+func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, resume *errResume) error {
 	cli, mon, err := s.connect()
 	if err != nil {
 		return err
 	}
 	if err := s.ready(ctx, cli); err != nil {
 		return err
+	}
+	if resume != nil {
+		// The members keep their snapshots and floors; a revision
+		// compacted meanwhile is a resync, as ever.
+		revs := resume.revs
+		return s.watchGroup(ctx, cli, mon, g, log, &revs, resume.rev, true)
 	}
 	var revs revisions
 	var rev int64
@@ -156,21 +184,25 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger) err
 	if testHookAfterList != nil {
 		testHookAfterList()
 	}
-	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev)
+	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev, false)
 }
 
 // watchGroup follows g's prefix from rev (0: the latest), publishing once
 // per watch response for each member it touches, until the watch ends; it
-// always returns an error saying why. Members that joined, and held
-// members whose retry is due, are read on their own meanwhile.
-func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *monitor, g *group, log *slog.Logger, revs *revisions, rev int64) error {
-	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+// always returns an error saying why, an *errResume when it stalled.
+// Members that joined, and held members whose retry is due, are read on
+// their own meanwhile. A watch that resumes a stalled one (resumed) keeps
+// its prefixes stale until its stream shows it delivers: a progress
+// notification, asked for as soon as the watch is created, or an event.
+func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *monitor, g *group, log *slog.Logger, revs *revisions, rev int64, resumed bool) error {
+	sctx, stream := mon.watchContext(ctx)
+	wctx, cancel := context.WithCancel(sctx)
 	defer cancel()
 	probeKey := g.prefix
 	if ms := g.snapshot(); len(ms) > 0 {
 		probeKey = ms[0].prefix // readable by kvmount's user, where the group's prefix might not be
 	}
-	sub := mon.subscribe(probeKey, g)
+	sub := mon.subscribe(probeKey, g, stream, resumed)
 	defer mon.unsubscribe(sub)
 	key, end := span(g.prefix)
 	// From rev, not rev+1: see follower.watch before issue 37 — the
@@ -182,6 +214,13 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		opts = append(opts, clientv3.WithRev(rev))
 	}
 	wch := cli.Watch(wctx, key, opts...)
+	// delivered is the revision up to which every event of the prefix has
+	// been routed: the one the watch started from (the reads hold what
+	// came before), then the last event's. Progress notifications do not
+	// move it: an etcd without the fix of etcd-io/etcd#15220 (backported
+	// to 3.5 and 3.4 in 2023) could send one ahead of events still to
+	// come.
+	delivered := rev
 	retry := time.NewTimer(time.Hour)
 	defer retry.Stop()
 	for {
@@ -214,6 +253,9 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 			}
 			continue
 		case err := <-sub.stall:
+			if delivered > 0 {
+				return &errResume{err: err, rev: delivered, revs: *revs}
+			}
 			return fmt.Errorf("%w: %w", errResync, err)
 		case <-g.wake:
 			continue
@@ -224,7 +266,14 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		if !ok {
 			break
 		}
-		if sub.hear(resp.Header.MemberId) {
+		if resumed && resp.Created {
+			// Created says the member took the watch, not that it
+			// delivers: progress is asked for on its stream at once.
+			sub.touch(resp.Header.MemberId)
+			rctx, rcancel := context.WithTimeout(wctx, requestTimeout)
+			_ = cli.RequestProgress(rctx)
+			rcancel()
+		} else if sub.hear(resp.Header.MemberId) {
 			log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
 			g.Status(nil)
 		}
@@ -243,11 +292,17 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		if resp.Canceled {
 			return fmt.Errorf("%w: watch cancelled by the server", errResync)
 		}
+		if resp.Created && resumed {
+			continue
+		}
 		if resp.Created || resp.IsProgressNotify() {
 			g.Status(nil)
 			continue
 		}
 		s.route(g, resp)
+		if n := len(resp.Events); n > 0 {
+			delivered = max(delivered, resp.Events[n-1].Kv.ModRevision)
+		}
 	}
 	if ctx.Err() != nil {
 		return ctx.Err()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -12,6 +13,7 @@ import (
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/grpc/connectivity"
+	"google.golang.org/grpc/metadata"
 )
 
 // monitor watches the connection of a Source's client, and the progress of
@@ -47,6 +49,31 @@ type monitor struct {
 	// led to, for tests and benchmarks.
 	progressRequests atomic.Int64
 	statusProbes     atomic.Int64
+	// stream numbers the gRPC watch stream new watches go on
+	// (watchContext). It grows when a stall starts the silent watches
+	// again (checkStall), so that they go on a stream of their own, to a
+	// member the client still uses, rather than back on the stalled one.
+	stream atomic.Uint64
+}
+
+// streamMetadataKey is the gRPC metadata that sets a watch's stream apart:
+// clientv3 puts the watches whose contexts carry the same outgoing
+// metadata on one stream (streamKeyFromCtx), and sends a progress request
+// on the stream its context's metadata names.
+const streamMetadataKey = "kvmount-watch-stream"
+
+// streamContext returns ctx for a watch, or a progress request, on the
+// stream numbered stream: with WithRequireLeader, so that a member that
+// lost its leader ends the watch.
+func streamContext(ctx context.Context, stream uint64) context.Context {
+	return clientv3.WithRequireLeader(metadata.AppendToOutgoingContext(ctx, streamMetadataKey, strconv.FormatUint(stream, 10)))
+}
+
+// watchContext returns ctx for a new watch, on the stream new watches go
+// on, and that stream's number (for subscribe).
+func (m *monitor) watchContext(ctx context.Context) (context.Context, uint64) {
+	n := m.stream.Load()
+	return streamContext(ctx, n), n
 }
 
 // statusReporter is what a subscriber reports the connection's state and
@@ -61,6 +88,9 @@ type subscriber struct {
 	// read.
 	prefix string
 	pub    statusReporter
+	// stream is the number of the gRPC stream the watch is on
+	// (watchContext): progress is asked on it.
+	stream uint64
 	// probes receives the header of the read made after each reconnect;
 	// it holds one, the newest.
 	probes chan *etcdserverpb.ResponseHeader
@@ -80,11 +110,17 @@ func (s *subscriber) heard() time.Time { return time.Unix(0, s.heardAt.Load()) }
 // hear records a response from member; it returns true when the watch had
 // been reported stalled, and is current again.
 func (s *subscriber) hear(member uint64) bool {
+	s.touch(member)
+	return s.stalledErr.Swap(false)
+}
+
+// touch records a response from member that does not yet show the watch
+// current (a resumed watch's creation, see watchGroup).
+func (s *subscriber) touch(member uint64) {
 	s.heardAt.Store(time.Now().UnixNano())
 	if member != 0 {
 		s.member.Store(member)
 	}
-	return s.stalledErr.Swap(false)
 }
 
 // startMonitor starts watching cli's connection and its watches' progress
@@ -124,11 +160,14 @@ func (m *monitor) stop() {
 	<-m.done
 }
 
-// subscribe registers a watch of prefix that publishes to pub, and tells
-// pub the connection's state as last seen.
-func (m *monitor) subscribe(prefix string, pub statusReporter) *subscriber {
-	sub := &subscriber{prefix: prefix, pub: pub, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
+// subscribe registers a watch of prefix on the stream numbered stream
+// (watchContext) that publishes to pub, and tells pub the connection's
+// state as last seen. A stalled watch that resumes (stalled) stays
+// reported stale until it hears from a member (hear).
+func (m *monitor) subscribe(prefix string, pub statusReporter, stream uint64, stalled bool) *subscriber {
+	sub := &subscriber{prefix: prefix, pub: pub, stream: stream, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
 	sub.heardAt.Store(time.Now().UnixNano())
+	sub.stalledErr.Store(stalled)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.subs[sub] = struct{}{}
@@ -144,13 +183,18 @@ func (m *monitor) unsubscribe(sub *subscriber) {
 }
 
 // report tells sub the connection's state: stale in transient failure,
-// current when ready, nothing in between. Callers hold m.mu.
+// current when ready, nothing in between. A watch reported stalled is
+// current only once it hears from a member again (hear): the connection
+// is ready while any member answers, the stalled one included. Callers
+// hold m.mu.
 func (m *monitor) report(sub *subscriber) {
 	switch m.state {
 	case connectivity.TransientFailure:
 		sub.pub.Status(fmt.Errorf("source/etcd: %s unreachable", m.endpoints))
 	case connectivity.Ready:
-		sub.pub.Status(nil)
+		if !sub.stalledErr.Load() {
+			sub.pub.Status(nil)
+		}
 	}
 }
 

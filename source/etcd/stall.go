@@ -8,8 +8,6 @@ import (
 	"strings"
 	"sync"
 	"time"
-
-	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // Watching for a watch that silently stopped. A member that freezes (a
@@ -31,9 +29,11 @@ import (
 // serves the watches (or, not knowing it, any endpoint) does not answer
 // within ProbeTimeout is the stream stalled. Found stalled, its prefixes
 // are reported stale; where other endpoints answered, the silent ones are
-// avoided until they answer again and the watches start anew on the
-// others; with nothing else to go to, the watches stay where they are and
-// resume when the member does.
+// avoided until they answer again and the watches resume on the others,
+// each on a new stream, from the revision of the last event they routed
+// (groupwatch.go), stale until the new stream answers a progress request
+// or brings an event; with nothing else to go to, the watches stay where
+// they are and resume when the member does.
 const (
 	// ProgressIdle is how long the watches may be silent before the
 	// monitor asks for progress. A healthy, idle stream costs one
@@ -58,9 +58,6 @@ var errStalled = errors.New("the etcd member serving the watch stopped answering
 // have been silent for ProgressIdle, and checks a stream still silent
 // ProgressTimeout after the request (checkStall).
 func (m *monitor) watchProgress(ctx context.Context) {
-	// Watches share one stream per context metadata: the requests go on
-	// theirs (WithRequireLeader).
-	streamCtx := clientv3.WithRequireLeader(ctx)
 	var asked time.Time
 	wake := time.NewTimer(ProgressIdle)
 	defer wake.Stop()
@@ -74,8 +71,10 @@ func (m *monitor) watchProgress(ctx context.Context) {
 		m.mu.Lock()
 		subs := make([]*subscriber, 0, len(m.subs))
 		var last time.Time // the most recent word any watch heard
+		streams := map[uint64]bool{}
 		for sub := range m.subs {
 			subs = append(subs, sub)
+			streams[sub.stream] = true
 			if h := sub.heard(); h.After(last) {
 				last = h
 			}
@@ -94,10 +93,15 @@ func (m *monitor) watchProgress(ctx context.Context) {
 			asked = time.Time{}
 			next = ProgressIdle - now.Sub(last)
 		default:
-			rctx, cancel := context.WithTimeout(streamCtx, time.Second)
-			_ = m.cli.RequestProgress(rctx)
-			cancel()
-			m.progressRequests.Add(1)
+			// Watches share one stream per context metadata: the
+			// requests go on each stream a watch is on (streamContext),
+			// one stream but for a while after a stall.
+			for stream := range streams {
+				rctx, cancel := context.WithTimeout(streamContext(ctx, stream), time.Second)
+				_ = m.cli.RequestProgress(rctx)
+				cancel()
+				m.progressRequests.Add(1)
+			}
 			asked = now
 			next = ProgressTimeout
 		}
@@ -151,11 +155,14 @@ func (m *monitor) checkStall(ctx context.Context, subs []*subscriber, asked time
 		// (and keepalive ends a connection that is truly gone).
 		return
 	}
-	// Every silent watch starts again: once none is left on the stream,
-	// clientv3 closes it, and the new one goes to an endpoint the client
-	// still uses. (gRPC closes a removed endpoint's connection
-	// gracefully, waiting for its streams: a frozen member's would wait
-	// for the keepalive to give up, 15 s.)
+	// Every silent watch starts again, on a new stream (watchContext),
+	// which goes to an endpoint the client still uses: clientv3 would put
+	// a watch started before the old stream closed — it closes once no
+	// watch is left on it — back on it, to the frozen member. (gRPC closes
+	// a removed endpoint's connection gracefully, waiting for its
+	// streams: a frozen member's would wait for the keepalive to give up,
+	// 15 s.)
+	m.stream.Add(1)
 	for _, sub := range silent {
 		select {
 		case sub.stall <- errStalled:

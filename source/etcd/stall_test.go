@@ -7,11 +7,13 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc/connectivity"
 
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
@@ -49,6 +51,11 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { src.Close() })
+	// Each read of the group's prefixes ends here: one at the start, and
+	// none after the stall — the watch resumes where it stood.
+	var reads atomic.Int64
+	testHookAfterList = func() { reads.Add(1) }
+	t.Cleanup(func() { testHookAfterList = nil })
 	rec := sourcetest.Follow(t, src, "/app/")
 	cli := cl.Client(t)
 	etcdtest.Put(t, cli, "/app/a", "0")
@@ -113,6 +120,31 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 	if watchMember(src, "/app/") == id {
 		t.Error("the watch still names the frozen member")
 	}
+	if n := reads.Load(); n != 1 {
+		t.Errorf("the group's prefixes were read %d times; want once (at the start): the stalled watch resumes rather than re-reads", n)
+	}
+	if s := watchStream(src, "/app/"); s == 0 {
+		t.Error("the resumed watch is on the stream of the stalled one; want a stream of its own")
+	}
+}
+
+// watchStream returns the number of the stream src's watch of prefix is
+// on (monitor.watchContext).
+func watchStream(src *Source, prefix string) uint64 {
+	src.mu.Lock()
+	m := src.monitor
+	src.mu.Unlock()
+	if m == nil {
+		return 0
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for sub := range m.subs {
+		if sub.prefix == prefix {
+			return sub.stream
+		}
+	}
+	return 0
 }
 
 // TestUnansweredProgressIsNoStall keeps the member from answering progress
@@ -139,8 +171,8 @@ func TestUnansweredProgressIsNoStall(t *testing.T) {
 	src.mu.Unlock()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	// The same context metadata as the source's watches: the same stream.
-	own.Watch(clientv3.WithRequireLeader(ctx), "/future/", clientv3.WithPrefix(), clientv3.WithRev(1<<40))
+	// The same context metadata as the source's watch: the same stream.
+	own.Watch(streamContext(ctx, watchStream(src, "/app/")), "/future/", clientv3.WithPrefix(), clientv3.WithRev(1<<40))
 
 	deadline := time.Now().Add(sourcetest.Timeout)
 	for mon.statusProbes.Load() < 2 {
@@ -234,4 +266,53 @@ func BenchmarkIdleStallDetection(b *testing.B) {
 	b.ReportMetric(float64(requests()-r0)/window.Seconds()/daemons, "progress-req/s/daemon")
 	b.ReportMetric(perDaemon(watching), "member-cpu-us/s/daemon")
 	b.ReportMetric(perDaemon(idle), "idle-cpu-us/s/daemon")
+}
+
+// statusLog records what a subscriber is told.
+type statusLog struct {
+	mu  sync.Mutex
+	got []error
+}
+
+func (l *statusLog) Status(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.got = append(l.got, err)
+}
+
+// TestResumedWatchStaysStale checks that the watch started again after a
+// stall stays reported stale until it hears from a member itself: the
+// client's connection is ready while any member answers, the frozen one
+// included, and a ready connection reported the resumed watch current
+// while its writes stayed invisible (TestEtcdGRPCProxy, 6.3 s).
+func TestResumedWatchStaysStale(t *testing.T) {
+	m := &monitor{state: connectivity.Ready, subs: map[*subscriber]struct{}{}}
+	var fresh, resumed statusLog
+	m.subscribe("/a/", &fresh, 0, false)
+	sub := m.subscribe("/b/", &resumed, 1, true)
+	m.mu.Lock()
+	m.report(sub)
+	m.mu.Unlock()
+	if len(fresh.got) != 1 || fresh.got[0] != nil {
+		t.Errorf("a new watch on a ready connection was told %v; want current once", fresh.got)
+	}
+	if len(resumed.got) != 0 {
+		t.Fatalf("a resumed watch that heard nothing yet was told %v; want nothing (it stays stale)", resumed.got)
+	}
+	sub.touch(7)
+	m.mu.Lock()
+	m.report(sub)
+	m.mu.Unlock()
+	if len(resumed.got) != 0 {
+		t.Fatalf("a resumed watch whose member only took it was told %v; want nothing", resumed.got)
+	}
+	if !sub.hear(7) {
+		t.Error("hear after the resume did not report the watch current again")
+	}
+	m.mu.Lock()
+	m.report(sub)
+	m.mu.Unlock()
+	if len(resumed.got) != 1 || resumed.got[0] != nil {
+		t.Errorf("a resumed watch that heard its member was told %v; want current", resumed.got)
+	}
 }
