@@ -694,21 +694,27 @@ func consulFloor(b *testing.B, agent *consultest.Agent, n, updates int) (one, ma
 
 // waitProjected polls every 10 ms until projected(i) holds for every i
 // below n, and fails the benchmark after timeout with how many did
-// ("only 7 of 100 <what>").
-func waitProjected(b *testing.B, n int, timeout time.Duration, what string, projected func(i int) bool) {
+// ("only 7 of 100 <what>"), and for the first few that did not, what
+// explain (when not nil) says of them.
+func waitProjected(b *testing.B, n int, timeout time.Duration, what string, projected func(i int) bool, explain ...func(i int) string) {
 	b.Helper()
 	for deadline := time.Now().Add(timeout); ; time.Sleep(10 * time.Millisecond) {
-		done := 0
+		var missing []int
 		for i := range n {
-			if projected(i) {
-				done++
+			if !projected(i) {
+				missing = append(missing, i)
 			}
 		}
-		if done == n {
+		if len(missing) == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			b.Fatalf("only %d of %d %s", done, n, what)
+			for _, i := range missing[:min(len(missing), 3)] {
+				for _, f := range explain {
+					b.Logf("#%d: %s", i, f(i))
+				}
+			}
+			b.Fatalf("only %d of %d %s", n-len(missing), n, what)
 		}
 	}
 }

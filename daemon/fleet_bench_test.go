@@ -48,11 +48,12 @@ const fleetIdle = 30 * time.Second
 // then, for each of b.N writes to the shared prefix, the time until each
 // daemon switched its ..data: p50/p99/max over every daemon and write
 // ("fanout-*"), and the p50/max over writes of the time until the last
-// daemon had it ("all-*"); on the cluster, the leader killed and a write
+// daemon had it ("all-*"); on the clusters, the leader killed and a write
 // through the survivors — the time until they acknowledge it, from then
 // until every daemon shows it, and the range reads and requests the
-// survivors served ("leader-lost-*"), then the same with a follower
-// killed ("follower-lost-*"); last the herd of a package
+// survivors served (on Consul, the KV reads and requests the client
+// agent served) ("leader-lost-*"), then the same with a follower killed
+// ("follower-lost-*"); last the herd of a package
 // upgrade — every daemon stopped, a write, every daemon started at once —
 // the time until all show the write, the store's requests per second and
 // CPU meanwhile, and on the cluster its range reads ("herd-*"). Run with
@@ -265,7 +266,33 @@ func fleetConsulCluster(b *testing.B, n int) fleetStore {
 		"-hcl", `telemetry { prometheus_retention_time = "1h" disable_hostname = true }`)
 	store := consulStoreAt(b, c.Client.Addr(), c.Client.APIClient())
 	store.source += "wait = \"15s\"\n"
+	url := "http://" + c.Client.Addr()
+	requests := consulRequests(b, url)
+	// memberLost kills the leading server (or another), runs during, and
+	// returns the KV reads (blocking queries and the reads after them)
+	// and all the requests the client agent served meanwhile; then starts
+	// the server again and waits until the cluster takes a write.
+	memberLost := func(killLeader bool, during func()) (ranges, served float64) {
+		leader := c.WaitLeader()
+		lost := leader
+		if !killLeader {
+			for _, s := range c.Servers {
+				if s != leader {
+					lost = s
+					break
+				}
+			}
+		}
+		r0, q0 := consulKVReads(b, url), requests()
+		lost.Kill()
+		during()
+		ranges, served = consulKVReads(b, url)-r0, requests()-q0
+		lost.Start()
+		c.WaitLeader()
+		return ranges, served
+	}
 	return fleetStore{
+		memberLost: memberLost,
 		benchStore: store,
 		cpu: func() time.Duration {
 			total := processCPU(b, c.Client.PID())
@@ -274,7 +301,7 @@ func fleetConsulCluster(b *testing.B, n int) fleetStore {
 			}
 			return total
 		},
-		requests: consulRequests(b, "http://"+c.Client.Addr()),
+		requests: requests,
 	}
 }
 
@@ -283,28 +310,53 @@ func fleetConsulCluster(b *testing.B, n int) fleetStore {
 func consulRequests(b *testing.B, url string) func() float64 {
 	asked := 0.0
 	return func() float64 {
-		resp, err := http.Get(url + "/v1/agent/metrics?format=prometheus")
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer resp.Body.Close()
-		body, _ := io.ReadAll(resp.Body)
-		parser := expfmt.NewTextParser(model.UTF8Validation)
-		families, err := parser.TextToMetricFamilies(bytes.NewReader(body))
-		if err != nil {
-			b.Fatalf("agent metrics: %v", err)
-		}
-		f := families["consul_api_http"]
-		if f == nil {
-			b.Fatalf("agent metrics lack consul_api_http")
-		}
-		total := 0.0
-		for _, m := range f.GetMetric() {
-			total += float64(m.GetSummary().GetSampleCount())
-		}
+		total := consulHTTP(b, url, func(method, path string) bool { return true })
 		asked++
 		return total - (asked - 1)
 	}
+}
+
+// consulKVReads returns how many KV reads the agent at url has served:
+// its consul_api_http count of GETs of v1/kv (blocking queries, and the
+// reads that confirm them).
+func consulKVReads(b *testing.B, url string) float64 {
+	return consulHTTP(b, url, func(method, path string) bool { return method == "GET" && path == "v1_kv_" })
+}
+
+// consulHTTP returns the count of the agent's consul_api_http summary
+// over the series whose method and path labels pass keep.
+func consulHTTP(b *testing.B, url string, keep func(method, path string) bool) float64 {
+	resp, err := http.Get(url + "/v1/agent/metrics?format=prometheus")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	families, err := parser.TextToMetricFamilies(bytes.NewReader(body))
+	if err != nil {
+		b.Fatalf("agent metrics: %v", err)
+	}
+	f := families["consul_api_http"]
+	if f == nil {
+		b.Fatalf("agent metrics lack consul_api_http")
+	}
+	total := 0.0
+	for _, m := range f.GetMetric() {
+		var method, path string
+		for _, l := range m.GetLabel() {
+			switch l.GetName() {
+			case "method":
+				method = l.GetValue()
+			case "path":
+				path = l.GetValue()
+			}
+		}
+		if keep(method, path) {
+			total += float64(m.GetSummary().GetSampleCount())
+		}
+	}
+	return total
 }
 
 // processCPU returns the user and system CPU time of process pid, from
@@ -362,6 +414,33 @@ func benchFleet(b *testing.B, n int, store fleetStore) {
 	ownDir := func(i int) string { return filepath.Join(base, fmt.Sprintf("vm%04d", i), "own") }
 	pids := make([]int, n)
 	var cmds []*exec.Cmd
+	// Each daemon logs to a file of its own (appended to across its
+	// restarts); a daemon that fails to show a write is explained by
+	// whether it runs and the end of its log.
+	logPath := func(i int) string { return filepath.Join(base, fmt.Sprintf("vm%04d.log", i)) }
+	var logs []*os.File
+	b.Cleanup(func() {
+		for _, f := range logs {
+			f.Close()
+		}
+	})
+	daemonLog := func(i int) *os.File {
+		f, err := os.OpenFile(logPath(i), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		if err != nil {
+			b.Fatal(err)
+		}
+		logs = append(logs, f)
+		return f
+	}
+	explain := func(i int) string {
+		state := "running"
+		if cmds[i].ProcessState != nil || unix.Kill(cmds[i].Process.Pid, 0) != nil {
+			state = "not running"
+		}
+		data, _ := os.ReadFile(logPath(i))
+		lines := strings.Split(strings.TrimSpace(string(data)), "\n")
+		return fmt.Sprintf("pid %d %s; its log ends:\n%s", cmds[i].Process.Pid, state, strings.Join(lines[max(len(lines)-8, 0):], "\n"))
+	}
 	b.Cleanup(func() {
 		// All at once: one after the other, a hundred clean stops add up.
 		for _, cmd := range cmds {
@@ -398,7 +477,7 @@ prefix = "%svm%04d/"
 		dir := sharedDir(i)
 		b.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 		cmd := exec.Command(bin, "run", "-config", configPath)
-		cmd.Stderr = io.Discard
+		cmd.Stderr = daemonLog(i)
 		if err := cmd.Start(); err != nil {
 			b.Fatal(err)
 		}
@@ -409,7 +488,7 @@ prefix = "%svm%04d/"
 		_, err1 := os.Lstat(filepath.Join(sharedDir(i), "key"))
 		_, err2 := os.Lstat(filepath.Join(ownDir(i), "key"))
 		return err1 == nil && err2 == nil
-	})
+	}, explain)
 	coldStart := time.Since(start)
 
 	// At rest: after the daemons have settled (and returned their
@@ -476,7 +555,7 @@ prefix = "%svm%04d/"
 			waitProjected(b, n, 5*waitTimeout, "daemons showed the write after the "+lost.name, func(i int) bool {
 				data, err := os.ReadFile(filepath.Join(sharedDir(i), "key"))
 				return err == nil && string(data) == value
-			})
+			}, explain)
 			took = time.Since(t0)
 			time.Sleep(5 * time.Second) // what follows at once: re-reads, re-watches
 		})
@@ -505,7 +584,7 @@ prefix = "%svm%04d/"
 	herdStart := time.Now()
 	for i, cmd := range cmds {
 		cmds[i] = exec.Command(bin, cmd.Args[1:]...)
-		cmds[i].Stderr = io.Discard
+		cmds[i].Stderr = daemonLog(i)
 		if err := cmds[i].Start(); err != nil {
 			b.Fatal(err)
 		}
@@ -513,7 +592,7 @@ prefix = "%svm%04d/"
 	waitProjected(b, n, 5*waitTimeout, "daemons showed the write after restarting at once", func(i int) bool {
 		data, err := os.ReadFile(filepath.Join(sharedDir(i), "key"))
 		return err == nil && string(data) == "after the herd"
-	})
+	}, explain)
 	herd := time.Since(herdStart)
 	herdReq, herdCPU = store.requests()-herdReq, store.cpu()-herdCPU
 	if store.ranges != nil {
