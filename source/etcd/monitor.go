@@ -102,6 +102,10 @@ type subscriber struct {
 	// tells the watch to start again, on a new stream.
 	stalledErr atomic.Bool
 	stall      chan error
+	// unconfirmed is set for a watch that resumes a stalled one until
+	// it hears from a member (hear): the connection's state does not
+	// report it current meanwhile.
+	unconfirmed atomic.Bool
 }
 
 // heard returns when the watch last received anything.
@@ -111,6 +115,7 @@ func (s *subscriber) heard() time.Time { return time.Unix(0, s.heardAt.Load()) }
 // been reported stalled, and is current again.
 func (s *subscriber) hear(member uint64) bool {
 	s.touch(member)
+	s.unconfirmed.Store(false)
 	return s.stalledErr.Swap(false)
 }
 
@@ -162,12 +167,13 @@ func (m *monitor) stop() {
 
 // subscribe registers a watch of prefix on the stream numbered stream
 // (watchContext) that publishes to pub, and tells pub the connection's
-// state as last seen. A stalled watch that resumes (stalled) stays
+// state as last seen. A watch that resumes a stalled one (resumed) stays
 // reported stale until it hears from a member (hear).
-func (m *monitor) subscribe(prefix string, pub statusReporter, stream uint64, stalled bool) *subscriber {
+func (m *monitor) subscribe(prefix string, pub statusReporter, stream uint64, resumed bool) *subscriber {
 	sub := &subscriber{prefix: prefix, pub: pub, stream: stream, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
 	sub.heardAt.Store(time.Now().UnixNano())
-	sub.stalledErr.Store(stalled)
+	sub.stalledErr.Store(resumed)
+	sub.unconfirmed.Store(resumed)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.subs[sub] = struct{}{}
@@ -183,16 +189,20 @@ func (m *monitor) unsubscribe(sub *subscriber) {
 }
 
 // report tells sub the connection's state: stale in transient failure,
-// current when ready, nothing in between. A watch reported stalled is
-// current only once it hears from a member again (hear): the connection
-// is ready while any member answers, the stalled one included. Callers
-// hold m.mu.
+// current when ready, nothing in between. A watch that resumes a stalled
+// one is current only once it hears from a member (hear): the connection
+// is ready while any member answers, the stalled one included, and a
+// resumed watch put back on the stalled member's stream was reported
+// current while writes stayed invisible. (A watch clientv3 resumes itself
+// after a reconnect is current when ready, as ever: it resumes past the
+// store's revision, where etcd answers no progress request until the next
+// write.) Callers hold m.mu.
 func (m *monitor) report(sub *subscriber) {
 	switch m.state {
 	case connectivity.TransientFailure:
 		sub.pub.Status(fmt.Errorf("source/etcd: %s unreachable", m.endpoints))
 	case connectivity.Ready:
-		if !sub.stalledErr.Load() {
+		if !sub.unconfirmed.Load() {
 			sub.pub.Status(nil)
 		}
 	}

@@ -315,4 +315,18 @@ func TestResumedWatchStaysStale(t *testing.T) {
 	if len(resumed.got) != 1 || resumed.got[0] != nil {
 		t.Errorf("a resumed watch that heard its member was told %v; want current", resumed.got)
 	}
+
+	// A watch reported stalled that clientv3 resumes itself, on the same
+	// member come back (TestOutageKeepsLastSnapshot), is current when the
+	// connection is ready again: it resumes past the store's revision,
+	// where etcd answers no progress request until the next write.
+	var waiting statusLog
+	same := m.subscribe("/c/", &waiting, 0, false)
+	same.stalledErr.Store(true)
+	m.mu.Lock()
+	m.report(same)
+	m.mu.Unlock()
+	if len(waiting.got) != 2 || waiting.got[1] != nil {
+		t.Errorf("a stalled watch on a ready connection was told %v; want current", waiting.got)
+	}
 }
