@@ -19,21 +19,30 @@ import (
 	"github.com/kvmount/kvmount/internal/sourcetest"
 )
 
-// watchMember returns the ID of the member that answered src's watch of
-// prefix last.
-func watchMember(src *Source, prefix string) uint64 {
+// watchSubscriber returns the monitor's subscriber of src's watch of
+// prefix, nil when there is none.
+func watchSubscriber(src *Source, prefix string) *subscriber {
 	src.mu.Lock()
 	m := src.monitor
 	src.mu.Unlock()
 	if m == nil {
-		return 0
+		return nil
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for sub := range m.subs {
 		if sub.prefix == prefix {
-			return sub.member.Load()
+			return sub
 		}
+	}
+	return nil
+}
+
+// watchMember returns the ID of the member that answered src's watch of
+// prefix last.
+func watchMember(src *Source, prefix string) uint64 {
+	if sub := watchSubscriber(src, prefix); sub != nil {
+		return sub.member.Load()
 	}
 	return 0
 }
@@ -131,18 +140,8 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 // watchStream returns the number of the stream src's watch of prefix is
 // on (monitor.watchContext).
 func watchStream(src *Source, prefix string) uint64 {
-	src.mu.Lock()
-	m := src.monitor
-	src.mu.Unlock()
-	if m == nil {
-		return 0
-	}
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for sub := range m.subs {
-		if sub.prefix == prefix {
-			return sub.stream
-		}
+	if sub := watchSubscriber(src, prefix); sub != nil {
+		return sub.stream
 	}
 	return 0
 }
