@@ -24,22 +24,30 @@ import (
 
 // runGroup runs g's watch until ctx is done: a read of every member at one
 // revision and a watch from it, again after each error (with backoff,
-// and at once for a resync); after a stall, the watch alone, from where it
-// stood.
+// and at once for a resync); after a watch that stalled or ended with its
+// history intact (errResume), the watch alone, from where it stood — at
+// once after a stall, after the backoff otherwise. The backoff starts
+// again from its shortest once a watch is established.
 func (s *Source) runGroup(ctx context.Context, g *group) {
 	log := s.log.With("group", g.prefix)
 	bo := source.NewBackoff()
 	var resume *errResume
 	for {
-		err := s.groupCycle(ctx, g, log, resume)
+		err := s.groupCycle(ctx, g, log, resume, bo.Reset)
 		if ctx.Err() != nil {
 			return
 		}
-		if resume = nil; errors.As(err, &resume) {
-			log.Info("watching the group's prefix again, on another member, from where it stood", "revision", resume.rev, "reason", resume.err)
-			continue
+		// A cycle that fails before its watch (no connection yet) keeps
+		// the resume it was given: the next one tries it again.
+		if next := (*errResume)(nil); errors.As(err, &next) {
+			resume = next
+			if next.stalled {
+				log.Info("watching the group's prefix again, on another member, from where it stood", "revision", next.rev, "reason", next.err)
+				continue
+			}
 		}
 		if errors.Is(err, errResync) {
+			resume = nil
 			log.Info("re-reading the group's prefixes", "reason", err)
 			continue
 		}
@@ -54,17 +62,18 @@ func (s *Source) runGroup(ctx context.Context, g *group) {
 			<-ctx.Done()
 			return
 		}
-		if err != nil {
-			log.Warn("source unavailable, keeping last content", "err", err, "prefixes", len(g.snapshot()))
-			for _, m := range g.snapshot() {
-				m.status(err)
-			}
-			if !source.Sleep(ctx, bo.NextBackOff()) {
-				return
-			}
-			continue
+		wait := bo.NextBackOff()
+		attrs := []any{"err", err, "prefixes", len(g.snapshot()), "retry_in", wait.Round(time.Millisecond)}
+		if resume != nil {
+			attrs = append(attrs, "resume_from", resume.rev)
 		}
-		bo.Reset()
+		log.Warn("source unavailable, keeping last content", attrs...)
+		for _, m := range g.snapshot() {
+			m.status(err)
+		}
+		if !source.Sleep(ctx, wait) {
+			return
+		}
 	}
 }
 
@@ -99,15 +108,22 @@ func (r *revisions) observe(h *etcdserverpb.ResponseHeader) error {
 	return nil
 }
 
-// errResume is returned by a group's watch that stalled (stall.go) after
-// it had routed every event up to rev: the group watches again from rev,
-// on a new stream to another member, instead of reading its prefixes
-// again — a lost member makes a fleet resume, not re-read (issue 37's
-// herds). revs are the revision checks' state, kept across.
+// errResume is returned by a group's watch that ended after it had routed
+// every event up to rev, for a reason that leaves the store's history as
+// it was: it stalled (stall.go, stalled set), or etcd ended it with an
+// error that is no resync — above all "etcdserver: no leader", which
+// WithRequireLeader brings when the member loses its quorum. The group
+// watches again from rev — after a stall at once, on a new stream to
+// another member; otherwise after the backoff — instead of reading its
+// prefixes again: a lost member or quorum makes a fleet resume, not
+// re-read (issue 37's herds). A revision compacted meanwhile is refused
+// by etcd and read again, as ever. revs are the revision checks' state,
+// kept across.
 type errResume struct {
-	err  error
-	rev  int64
-	revs revisions
+	err     error
+	rev     int64
+	revs    revisions
+	stalled bool
 }
 
 func (e *errResume) Error() string { return e.err.Error() }
@@ -115,10 +131,10 @@ func (e *errResume) Unwrap() error { return e.err }
 
 // groupCycle reads every member of g at one revision, publishes each, and
 // watches g's prefix from that revision until the watch ends; resuming a
-// stalled watch (resume), it watches from where that stood and reads
+// watch that ended (resume), it watches from where that stood and reads
 // nothing but members not read yet. It always returns an error saying
 // why.
-func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, resume *errResume) error {
+func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, resume *errResume, established func()) error {
 	cli, mon, err := s.connect()
 	if err != nil {
 		return err
@@ -130,7 +146,7 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, res
 		// The members keep their snapshots and floors; a revision
 		// compacted meanwhile is a resync, as ever.
 		revs := resume.revs
-		return s.watchGroup(ctx, cli, mon, g, log, &revs, resume.rev, true)
+		return s.watchGroup(ctx, cli, mon, g, log, &revs, resume.rev, true, established)
 	}
 	var revs revisions
 	var rev int64
@@ -184,17 +200,20 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, res
 	if testHookAfterList != nil {
 		testHookAfterList()
 	}
-	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev, false)
+	return s.watchGroup(ctx, cli, mon, g, log, &revs, rev, false, established)
 }
 
 // watchGroup follows g's prefix from rev (0: the latest), publishing once
 // per watch response for each member it touches, until the watch ends; it
-// always returns an error saying why, an *errResume when it stalled.
+// always returns an error saying why: an *errResume when it stalled, or
+// ended with an error that is no resync after it had routed what it was
+// sent (delivered). established is called when the member takes the
+// watch.
 // Members that joined, and held members whose retry is due, are read on
-// their own meanwhile. A watch that resumes a stalled one (resumed) keeps
+// their own meanwhile. A watch that resumes an earlier one (resumed) keeps
 // its prefixes stale until its stream shows it delivers: a progress
 // notification, asked for as soon as the watch is created, or an event.
-func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *monitor, g *group, log *slog.Logger, revs *revisions, rev int64, resumed bool) error {
+func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *monitor, g *group, log *slog.Logger, revs *revisions, rev int64, resumed bool, established func()) error {
 	sctx, stream := mon.watchContext(ctx)
 	wctx, cancel := context.WithCancel(sctx)
 	defer cancel()
@@ -254,7 +273,7 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 			continue
 		case err := <-sub.stall:
 			if delivered > 0 {
-				return &errResume{err: err, rev: delivered, revs: *revs}
+				return &errResume{err: err, rev: delivered, revs: *revs, stalled: true}
 			}
 			return fmt.Errorf("%w: %w", errResync, err)
 		case <-g.wake:
@@ -287,10 +306,17 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 			case permissionDenied(err) && s.wider(g):
 				return fmt.Errorf("%w: %w", errRefusedGroup, err)
 			}
-			return fmt.Errorf("source/etcd: watch %s: %w", g.prefix, err)
+			err = fmt.Errorf("source/etcd: watch %s: %w", g.prefix, err)
+			if delivered > 0 {
+				return &errResume{err: err, rev: delivered, revs: *revs}
+			}
+			return err
 		}
 		if resp.Canceled {
 			return fmt.Errorf("%w: watch cancelled by the server", errResync)
+		}
+		if resp.Created {
+			established()
 		}
 		if resp.Created && resumed {
 			continue

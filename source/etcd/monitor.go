@@ -102,7 +102,7 @@ type subscriber struct {
 	// tells the watch to start again, on a new stream.
 	stalledErr atomic.Bool
 	stall      chan error
-	// unconfirmed is set for a watch that resumes a stalled one until
+	// unconfirmed is set for a watch that resumes one that ended until
 	// it hears from a member (hear): the connection's state does not
 	// report it current meanwhile.
 	unconfirmed atomic.Bool
@@ -167,7 +167,7 @@ func (m *monitor) stop() {
 
 // subscribe registers a watch of prefix on the stream numbered stream
 // (watchContext) that publishes to pub, and tells pub the connection's
-// state as last seen. A watch that resumes a stalled one (resumed) stays
+// state as last seen. A watch that resumes one that ended (resumed) stays
 // reported stale until it hears from a member (hear).
 func (m *monitor) subscribe(prefix string, pub statusReporter, stream uint64, resumed bool) *subscriber {
 	sub := &subscriber{prefix: prefix, pub: pub, stream: stream, probes: make(chan *etcdserverpb.ResponseHeader, 1), stall: make(chan error, 1)}
@@ -189,8 +189,9 @@ func (m *monitor) unsubscribe(sub *subscriber) {
 }
 
 // report tells sub the connection's state: stale in transient failure,
-// current when ready, nothing in between. A watch that resumes a stalled
-// one is current only once it hears from a member (hear): the connection
+// current when ready, nothing in between. A watch that resumes one that
+// ended (a stall, "no leader") is current only once it hears from a
+// member (hear): the connection
 // is ready while any member answers, the stalled one included, and a
 // resumed watch put back on the stalled member's stream was reported
 // current while writes stayed invisible. (A watch clientv3 resumes itself

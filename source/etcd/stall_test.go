@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +19,8 @@ import (
 
 	"github.com/kvmount/kvmount/internal/etcdtest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/internal/testlog"
+	"github.com/kvmount/kvmount/source"
 )
 
 // watchSubscriber returns the monitor's subscriber of src's watch of
@@ -328,4 +332,101 @@ func TestResumedWatchStaysStale(t *testing.T) {
 	if len(waiting.got) != 2 || waiting.got[1] != nil {
 		t.Errorf("a stalled watch on a ready connection was told %v; want current", waiting.got)
 	}
+}
+
+// TestLeaderlessMemberResumes takes from the member that serves the watch
+// its two peers (SIGKILL): the member loses its leader, and etcd ends the
+// watch (WithRequireLeader: "etcdserver: no leader"). The prefix is
+// reported stale meanwhile, and once the peers are back the watch resumes
+// from where it stood, reading nothing again — a lost quorum makes a
+// fleet resume, not re-read (issue 37's herds; before, every daemon on the
+// member read its prefixes again). A write made after the quorum is back
+// arrives, and so does one made before the loss that the watch had not
+// routed yet (none here: the watch had routed everything).
+func TestLeaderlessMemberResumes(t *testing.T) {
+	cl := etcdtest.StartCluster(t, 3)
+	serving := cl.Members[0]
+	logs := &testlog.Buffer{}
+	src, err := New("main", &Config{Endpoints: []string{serving.ClientURL}, DialTimeout: 2 * time.Second, ChangeDetection: Watch}, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	var reads atomic.Int64
+	testHookAfterList = func() { reads.Add(1) }
+	t.Cleanup(func() { testHookAfterList = nil })
+	rec := sourcetest.Follow(t, src, "/app/")
+	cli := cl.Client(t)
+	etcdtest.Put(t, cli, "/app/a", "0")
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+
+	for _, m := range cl.Members[1:] {
+		m.Kill()
+	}
+	lost := time.Now()
+	rec.WaitFor(t, "reported stale without a leader", sourcetest.Failing)
+	t.Logf("reported stale %v after the peers were killed", time.Since(lost).Round(10*time.Millisecond))
+	// Long enough for etcd to end the watch for want of a leader (three
+	// election timeouts of 1 s, etcd's monitorLeader) and for the group
+	// to try again at least once.
+	time.Sleep(6 * time.Second)
+	for _, m := range cl.Members[1:] {
+		m.Restart(t)
+	}
+	etcdtest.Put(t, cli, "/app/a", "1")
+	rec.WaitFor(t, "the write after the quorum came back", sourcetest.Holds(map[string]string{"a": "1"}))
+	rec.WaitFor(t, "reported current", func(_ []source.Snapshot, err error) bool { return err == nil })
+	if n := reads.Load(); n != 1 {
+		t.Errorf("the group's prefixes were read %d times; want once (at the start): a watch ended for want of a leader resumes rather than re-reads", n)
+	}
+	out := logs.String()
+	if !strings.Contains(out, "no leader") || !strings.Contains(out, "resume_from=") {
+		t.Fatalf("the log says nothing of a watch ended for want of a leader, to be resumed:\n%s", out)
+	}
+	first := retryDelays(out)
+	if len(first) < 2 || slices.Max(first) < time.Second {
+		t.Fatalf("retries during the first loss waited %v; want them to back off past 1 s (the test relies on it)", first)
+	}
+
+	// The quorum lost again: the watch that was established meanwhile
+	// started the backoff again from its shortest (RetryMin ±20 %),
+	// where the group's backoff used to keep growing over its life.
+	for _, m := range cl.Members[1:] {
+		m.Kill()
+	}
+	for deadline := time.Now().Add(sourcetest.Timeout); len(retryDelays(logs.String())) == len(first); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the second loss of the quorum was never logged:\n%s", logs.String())
+		}
+	}
+	if d := retryDelays(logs.String())[len(first)]; d > source.RetryMin*6/5 {
+		t.Errorf("the first retry after the second loss waits %v (the first loss's waited %v); want at most %v: the backoff starts again once a watch is established", d, first, source.RetryMin*6/5)
+	}
+	for _, m := range cl.Members[1:] {
+		m.Restart(t)
+	}
+	etcdtest.Put(t, cli, "/app/a", "2")
+	rec.WaitFor(t, "the write after the second loss", sourcetest.Holds(map[string]string{"a": "2"}))
+	if n := reads.Load(); n != 1 {
+		t.Errorf("after the second loss the group's prefixes were read %d times; want once", n)
+	}
+}
+
+// retryDelays returns the retry_in of every "source unavailable" line of
+// a text log, in order.
+func retryDelays(log string) []time.Duration {
+	var out []time.Duration
+	for _, line := range strings.Split(log, "\n") {
+		if !strings.Contains(line, "source unavailable") {
+			continue
+		}
+		for _, f := range strings.Fields(line) {
+			if v, ok := strings.CutPrefix(f, "retry_in="); ok {
+				if d, err := time.ParseDuration(v); err == nil {
+					out = append(out, d)
+				}
+			}
+		}
+	}
+	return out
 }
