@@ -38,7 +38,7 @@ import (
 // or a new cluster ID make the whole group read again; a stalled member
 // (stall.go) makes its watch resume elsewhere, on a new stream, from the
 // revision of the last event it routed, reading nothing again, and a
-// watch etcd ended otherwise ("no leader") resumes so after the backoff.
+// watch etcd ended for want of a leader resumes so after the backoff.
 //
 // Where etcd's authorization refuses the watch of a group's prefix (a
 // user granted each prefix alone), the group's members are watched one by

@@ -24,9 +24,9 @@ import (
 
 // runGroup runs g's watch until ctx is done: a read of every member at one
 // revision and a watch from it, again after each error (with backoff,
-// and at once for a resync); after a watch that stalled or ended with its
-// history intact (errResume), the watch alone, from where it stood — at
-// once after a stall, after the backoff otherwise. The backoff starts
+// and at once for a resync); after a watch that stalled or ended for want
+// of a leader (errResume), the watch alone, from where it stood — at once
+// after a stall, after the backoff otherwise. The backoff starts
 // again from its shortest once a watch is established.
 func (s *Source) runGroup(ctx context.Context, g *group) {
 	log := s.log.With("group", g.prefix)
@@ -110,9 +110,10 @@ func (r *revisions) observe(h *etcdserverpb.ResponseHeader) error {
 
 // errResume is returned by a group's watch that ended after it had routed
 // every event up to rev, for a reason that leaves the store's history as
-// it was: it stalled (stall.go, stalled set), or etcd ended it with an
-// error that is no resync — above all "etcdserver: no leader", which
-// WithRequireLeader brings when the member loses its quorum. The group
+// it was: it stalled (stall.go, stalled set), or etcd ended it with
+// "etcdserver: no leader", which WithRequireLeader brings when the member
+// loses its quorum. (A watch the server cancels for another reason, and
+// any other error, is read again, as before.) The group
 // watches again from rev — after a stall at once, on a new stream to
 // another member; otherwise after the backoff — instead of reading its
 // prefixes again: a lost member or quorum makes a fleet resume, not
@@ -206,9 +207,8 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, res
 // watchGroup follows g's prefix from rev (0: the latest), publishing once
 // per watch response for each member it touches, until the watch ends; it
 // always returns an error saying why: an *errResume when it stalled, or
-// ended with an error that is no resync after it had routed what it was
-// sent (delivered). established is called when the member takes the
-// watch.
+// ended for want of a leader, after it had routed what it was sent
+// (delivered). established is called when the member takes the watch.
 // Members that joined, and held members whose retry is due, are read on
 // their own meanwhile. A watch that resumes an earlier one (resumed) keeps
 // its prefixes stale until its stream shows it delivers: a progress
@@ -307,7 +307,9 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 				return fmt.Errorf("%w: %w", errRefusedGroup, err)
 			}
 			err = fmt.Errorf("source/etcd: watch %s: %w", g.prefix, err)
-			if delivered > 0 {
+			if delivered > 0 && errors.Is(err, rpctypes.ErrNoLeader) {
+				// The member lost its quorum (WithRequireLeader): what
+				// was routed stands, and the store's history with it.
 				return &errResume{err: err, rev: delivered, revs: *revs}
 			}
 			return err
