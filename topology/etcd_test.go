@@ -75,9 +75,10 @@ func etcdWriter(ctx context.Context, cli *clientv3.Client, h *history, paused *a
 // that reaches the three members directly, while a writer rewrites /app/n
 // and /app/check in one transaction every 250 ms. The faults: the leader
 // killed and restarted, each member frozen for 10 s in turn (one of them
-// serves the proxy's watches), the proxy frozen, the proxy killed while
-// the store is compacted past the mount's revision and started again, and
-// kvmount killed. Throughout, for both mounts: never a mixed version,
+// serves the proxy's watches), the quorum lost for 8 s (the direct
+// source's watch ended "no leader" resumes, reading nothing again), the
+// proxy frozen, the proxy killed while the store is compacted past the
+// mount's revision and started again, and kvmount killed. Throughout, for both mounts: never a mixed version,
 // never backwards, no acknowledged write invisible for more than 5 s
 // while /status says current — but for the proxy's mount while a member
 // behind the proxy is frozen. That is what the proxy hides: with the proxy
@@ -201,17 +202,49 @@ func TestEtcdGRPCProxy(t *testing.T) {
 		time.Sleep(2 * time.Second)
 	}
 
+	// The quorum lost for 8 s: two members killed, then restarted. The
+	// survivor has no leader, and etcd ends every watch made
+	// WithRequireLeader on it ("etcdserver: no leader"): the direct mount
+	// is reported stale, and its watch resumes from where it stood once a
+	// leader is back, reading nothing again (the log's resume_from). No
+	// write is acknowledged meanwhile. What the proxy's mount does is
+	// logged, not judged: the proxy's own watch is between.
+	from = time.Now()
+	for _, m := range c.Members[1:] {
+		m.Kill()
+	}
+	time.Sleep(8 * time.Second)
+	for _, m := range c.Members[1:] {
+		m.Restart(t)
+	}
+	healed := time.Now()
+	took = caughtUp("the quorum lost")
+	// The direct watch resumes at its next retry after a leader is
+	// back: within its backoff, which the outage grew (0.5 s doubling).
+	for _, m := range etcdMounts {
+		d.waitState(m, "current", waitTimeout)
+	}
+	time.Sleep(2 * time.Second)
+	stale := report("quorum lost 8 s", from, healed)
+	t.Logf("quorum lost: caught up %v after the members' restart", took.Round(time.Millisecond))
+	if _, ok := stale["direct"]; !ok {
+		t.Errorf("the lost quorum: the direct mount was never reported stale")
+	}
+	if d.logs.Count("no leader", "source=direct") == 0 || d.logs.Count("resume_from", "source=direct") == 0 {
+		t.Errorf("no log line of the direct source's watch ended for want of a leader and resumed:\n%s", d.logs.String())
+	}
+
 	// The proxy frozen for 10 s: the proxy's mount is reported stale
 	// within 5 s and current within 1.5 s of the thaw.
 	from = time.Now()
 	proxy.Freeze()
 	time.Sleep(10 * time.Second)
 	proxy.Thaw()
-	healed := time.Now()
+	healed = time.Now()
 	h.outageOf("proxy", "proxy frozen", from, healed)
 	caughtUp("the proxy frozen")
 	time.Sleep(2 * time.Second)
-	stale := report("proxy frozen 10 s", from, healed)
+	stale = report("proxy frozen 10 s", from, healed)
 	if s, ok := stale["proxy"]; !ok || s > etcdStaleWithin {
 		t.Errorf("the frozen proxy: the proxy's mount reported stale after %v (0: never); want within %v", s, etcdStaleWithin)
 	}
