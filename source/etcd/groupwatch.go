@@ -37,17 +37,12 @@ func (s *Source) runGroup(ctx context.Context, g *group) {
 		if ctx.Err() != nil {
 			return
 		}
-		// A cycle that fails before its watch (no connection yet) keeps
-		// the resume it was given: the next one tries it again.
-		if next := (*errResume)(nil); errors.As(err, &next) {
-			resume = next
-			if next.stalled {
-				log.Info("watching the group's prefix again, on another member, from where it stood", "revision", next.rev, "reason", next.err)
-				continue
-			}
+		// Any other error than an errResume reads the prefixes again.
+		if resume = nil; errors.As(err, &resume) && resume.stalled {
+			log.Info("watching the group's prefix again, on another member, from where it stood", "revision", resume.rev, "reason", resume.err)
+			continue
 		}
 		if errors.Is(err, errResync) {
-			resume = nil
 			log.Info("re-reading the group's prefixes", "reason", err)
 			continue
 		}
@@ -133,14 +128,19 @@ func (e *errResume) Unwrap() error { return e.err }
 // groupCycle reads every member of g at one revision, publishes each, and
 // watches g's prefix from that revision until the watch ends; resuming a
 // watch that ended (resume), it watches from where that stood and reads
-// nothing but members not read yet. It always returns an error saying
-// why.
+// nothing but members not read yet; one that cannot connect returns the
+// resume again. It always returns an error saying why.
 func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, resume *errResume, established func()) error {
 	cli, mon, err := s.connect()
-	if err != nil {
-		return err
+	if err == nil {
+		err = s.ready(ctx, cli)
 	}
-	if err := s.ready(ctx, cli); err != nil {
+	if err != nil && resume != nil {
+		// No connection yet (every member down): the next cycle
+		// resumes as this one would have.
+		return &errResume{err: err, rev: resume.rev, revs: resume.revs}
+	}
+	if err != nil {
 		return err
 	}
 	if resume != nil {
