@@ -36,9 +36,11 @@ func workerUserName(name string) string {
 }
 
 // workerIdentity returns the worker's user and group: name's, else the
-// first id of the dynamic range that neither a user nor a group holds and
-// no running process has as a user or group id — another process of the
-// worker's uid could read its memory or signal it.
+// first id of the dynamic range, from dynamicStart(the monitor's pid) on
+// and around, that neither a user nor a group holds and no running
+// process has as a user or group id — another process of the worker's
+// uid could read its memory or signal it, and its threads count against
+// the worker's RLIMIT_NPROC (privsep.MaxWorkerTasks).
 func workerIdentity(name string) (privsep.Identity, error) {
 	if u, err := user.Lookup(name); err == nil {
 		uid, _ := strconv.Atoi(u.Uid)
@@ -49,7 +51,9 @@ func workerIdentity(name string) (privsep.Identity, error) {
 		return privsep.Identity{UID: uid, GID: gid}, nil
 	}
 	running := runningIDs()
-	for id := dynamicFirst; id <= dynamicLast; id++ {
+	start := dynamicStart(os.Getpid())
+	for i := range dynamicLast - dynamicFirst + 1 {
+		id := dynamicFirst + (start-dynamicFirst+i)%(dynamicLast-dynamicFirst+1)
 		s := strconv.Itoa(id)
 		if running[id] {
 			continue
@@ -63,6 +67,18 @@ func workerIdentity(name string) (privsep.Identity, error) {
 		return privsep.Identity{UID: id, GID: id}, nil
 	}
 	return privsep.Identity{}, fmt.Errorf("no user %s, and no free id in %d–%d for the worker", name, dynamicFirst, dynamicLast)
+}
+
+// dynamicStart returns where the search for a free dynamic id begins for
+// the monitor of process pid: a place of its own in the range, so that
+// monitors that start at once — a package upgrade on a host of several
+// instances, a thousand on one test machine — do not all see the same
+// first id free and take it together (the check and the worker's start
+// are not one step). Sharing a uid, their workers' threads would count
+// against one RLIMIT_NPROC: 1,000 daemons restarted at once on one
+// machine lost workers to pthread_create's EAGAIN.
+func dynamicStart(pid int) int {
+	return dynamicFirst + pid%(dynamicLast-dynamicFirst+1)
 }
 
 // workerCommand returns the command of the worker of domain: this very

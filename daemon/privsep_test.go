@@ -267,6 +267,25 @@ func TestWorkerUIDIsNobodyElses(t *testing.T) {
 	}
 }
 
+// TestDynamicStartsSpread: monitors that start at once begin their
+// search for a free dynamic id at places of their own (pids in a row, as
+// a herd of restarts has them, and far apart), always within systemd's
+// dynamic range — not all at its first id, which they would all see free
+// and take together.
+func TestDynamicStartsSpread(t *testing.T) {
+	seen := map[int]bool{}
+	for _, pid := range []int{1, 2, 3, 4000, 4001, 4336, 4337, 32767, 4194303} {
+		id := dynamicStart(pid)
+		if id < dynamicFirst || id > dynamicLast {
+			t.Errorf("pid %d starts at %d, outside %d–%d", pid, id, dynamicFirst, dynamicLast)
+		}
+		seen[id] = true
+	}
+	if len(seen) < 8 {
+		t.Errorf("9 pids start at %d distinct ids; want them spread", len(seen))
+	}
+}
+
 // statusWorkers returns the workers of the daemon's /status, by domain.
 func statusWorkers(t *testing.T, h *harness) map[string]*admin.WorkerStatus {
 	t.Helper()
