@@ -31,7 +31,10 @@ import (
 //     refused: the worker only connects;
 //   - ioctl only FIONREAD (glibc's resolver sizes an answer with it);
 //   - prctl only PR_SET_VMA (Go's runtime names its mappings): no way back
-//     to being dumpable, no new seccomp mode.
+//     to being dumpable, no new seccomp mode;
+//   - prlimit64 only on itself (pid 0): prlimit(2) reaches any process of
+//     the same user — another trust domain's worker — whose limits it
+//     could lower.
 //
 // kill, setsid, setpgid, ptrace and the rest of what could reach another
 // process are not on the list; Landlock's scopes (ABI 6) refuse signals
@@ -48,7 +51,7 @@ var workerSyscalls = []string{
 	"gettimeofday", "time", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack", "gettid", "getpid",
 	"tgkill", "tkill", "set_robust_list", "rseq", "set_tid_address", "restart_syscall", "exit", "exit_group",
 	// Who and what it is.
-	"getuid", "geteuid", "getgid", "getegid", "getppid", "getrlimit", "prlimit64", "uname", "sysinfo", "getrandom",
+	"getuid", "geteuid", "getgid", "getegid", "getppid", "getrlimit", "uname", "sysinfo", "getrandom",
 	// Files: Landlock decides which may be read, and none written.
 	"read", "write", "readv", "writev", "pread64", "close", "close_range", "openat", "open", "fstat", "newfstatat",
 	"stat", "lstat", "statx", "lseek", "fcntl", "getdents64", "readlinkat", "readlink", "faccessat", "faccessat2",
@@ -136,6 +139,12 @@ func conditionalSyscalls(p Policy) []seccomp.NameWithConditions {
 		}},
 		seccomp.NameWithConditions{Name: "prctl", Conditions: seccomp.ArgumentConditions{
 			{Argument: 0, Operation: seccomp.Equal, Value: prSetVMA},
+		}},
+		// prlimit64 on itself alone (pid 0, as Go and glibc call it):
+		// prlimit(2) on another process needs only the same user, and
+		// the workers of a daemon's other trust domains are its user's.
+		seccomp.NameWithConditions{Name: "prlimit64", Conditions: seccomp.ArgumentConditions{
+			{Argument: 0, Operation: seccomp.Equal, Value: 0},
 		}},
 	)
 	return out

@@ -7,9 +7,11 @@ import (
 	"maps"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -56,6 +58,16 @@ func testWorker() error {
 	attempts["connect allowed"] = func() error {
 		return escapetest.CloseAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_ALLOWED_ADDR")))
 	}
+	// Another process of the worker's user (another trust domain's
+	// worker): lowering its open files to none would starve it.
+	sibling, _ := strconv.Atoi(os.Getenv("KVMOUNT_TEST_SIBLING"))
+	attempts["prlimit sibling"] = func() error {
+		return unix.Prlimit(sibling, unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: 0, Max: 0}, nil)
+	}
+	attempts["prlimit self"] = func() error {
+		var lim unix.Rlimit
+		return unix.Prlimit(0, unix.RLIMIT_NOFILE, nil, &lim)
+	}
 	report.Attempts = escapetest.Run(attempts)
 	return json.NewEncoder(os.Stdout).Encode(report)
 }
@@ -84,7 +96,19 @@ func runWorker(t *testing.T, confine bool) (map[string]string, workerReport) {
 		return l
 	}
 	allowed, other := listen(), listen()
+	// A process of the worker's user beside it, as another trust
+	// domain's worker would be.
+	sibling := exec.Command("/bin/sleep", "60")
+	sibling.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(u.UID), Gid: uint32(u.GID)}}
+	if err := sibling.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		sibling.Process.Kill()
+		sibling.Wait()
+	})
 	env := []string{
+		"KVMOUNT_TEST_SIBLING=" + strconv.Itoa(sibling.Process.Pid),
 		"KVMOUNT_TEST_ALLOWED=" + strconv.Itoa(allowed.Addr().(*net.TCPAddr).Port),
 		"KVMOUNT_TEST_ALLOWED_ADDR=" + allowed.Addr().String(),
 		"KVMOUNT_TEST_OTHER_ADDR=" + other.Addr().String(),
@@ -210,13 +234,14 @@ func TestConfinedWorker(t *testing.T) {
 	}
 	denied := maps.Clone(escapetest.Refusals)
 	denied["open /etc/passwd"] = unix.EACCES // Landlock: outside the policy
+	denied["prlimit sibling"] = unix.EPERM   // seccomp: prlimit64 on itself alone
 	for name, want := range denied {
 		got, ok := confined.Attempts[name]
 		if !ok || got == "" || !strings.Contains(got, want.Error()) {
 			t.Errorf("%s: %q; want it refused with %v", name, got, want)
 		}
 	}
-	for _, name := range []string{"read /etc/hosts", "connect allowed"} {
+	for _, name := range []string{"read /etc/hosts", "connect allowed", "prlimit self"} {
 		if got := confined.Attempts[name]; got != "" {
 			t.Errorf("%s: %s; the policy allows it", name, got)
 		}
@@ -224,7 +249,7 @@ func TestConfinedWorker(t *testing.T) {
 
 	_, free := runWorker(t, false)
 	for _, name := range []string{"open /etc/passwd", "write under /tmp", "setresuid", "execve", "connect other",
-		"fork", "i386 fork", "memfd_create", "udp socket", "unix socket", "listen"} {
+		"fork", "i386 fork", "memfd_create", "udp socket", "unix socket", "listen", "prlimit sibling"} {
 		got, tried := free.Attempts[name]
 		if !tried && name == "i386 fork" {
 			continue // no i386 entry on this architecture
