@@ -59,20 +59,9 @@ func watchMember(src *Source, prefix string) uint64 {
 // still frozen; it is reported current again.
 func TestFrozenMemberIsNoticed(t *testing.T) {
 	cl := etcdtest.StartCluster(t, 3)
-	src, err := New("main", &Config{Endpoints: cl.Endpoints(), DialTimeout: 2 * time.Second, ChangeDetection: Watch}, sourcetest.Discard)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { src.Close() })
-	// Each read of the group's prefixes ends here: one at the start, and
-	// none after the stall — the watch resumes where it stood.
-	var reads atomic.Int64
-	testHookAfterList = func() { reads.Add(1) }
-	t.Cleanup(func() { testHookAfterList = nil })
-	rec := sourcetest.Follow(t, src, "/app/")
-	cli := cl.Client(t)
-	etcdtest.Put(t, cli, "/app/a", "0")
-	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+	// One read of the group's prefixes at the start, and none after the
+	// stall — the watch resumes where it stood.
+	src, rec, cli, reads := followApp(t, cl, cl.Endpoints(), sourcetest.Discard)
 	var id uint64
 	for deadline := time.Now().Add(sourcetest.Timeout); id == 0; time.Sleep(10 * time.Millisecond) {
 		if id = watchMember(src, "/app/"); id == 0 && time.Now().After(deadline) {
@@ -139,6 +128,27 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 	if s := watchStream(src, "/app/"); s == 0 {
 		t.Error("the resumed watch is on the stream of the stalled one; want a stream of its own")
 	}
+}
+
+// followApp follows /app/ with a watch-mode source of cl's endpoints
+// that logs to log, and waits until it holds a=0, written through a
+// client of every member (cli); reads counts the reads of the group's
+// prefixes (testHookAfterList) from the start.
+func followApp(t *testing.T, cl *etcdtest.Cluster, endpoints []string, log *slog.Logger) (src *Source, rec *sourcetest.Recorder, cli *clientv3.Client, reads *atomic.Int64) {
+	t.Helper()
+	src, err := New("main", &Config{Endpoints: endpoints, DialTimeout: 2 * time.Second, ChangeDetection: Watch}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	reads = &atomic.Int64{}
+	testHookAfterList = func() { reads.Add(1) }
+	t.Cleanup(func() { testHookAfterList = nil })
+	rec = sourcetest.Follow(t, src, "/app/")
+	cli = cl.Client(t)
+	etcdtest.Put(t, cli, "/app/a", "0")
+	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+	return src, rec, cli, reads
 }
 
 // watchStream returns the number of the stream src's watch of prefix is
@@ -341,24 +351,11 @@ func TestResumedWatchStaysStale(t *testing.T) {
 // from where it stood, reading nothing again — a lost quorum makes a
 // fleet resume, not re-read (issue 37's herds; before, every daemon on the
 // member read its prefixes again). A write made after the quorum is back
-// arrives, and so does one made before the loss that the watch had not
-// routed yet (none here: the watch had routed everything).
+// arrives.
 func TestLeaderlessMemberResumes(t *testing.T) {
 	cl := etcdtest.StartCluster(t, 3)
-	serving := cl.Members[0]
 	logs := &testlog.Buffer{}
-	src, err := New("main", &Config{Endpoints: []string{serving.ClientURL}, DialTimeout: 2 * time.Second, ChangeDetection: Watch}, slog.New(slog.NewTextHandler(logs, nil)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { src.Close() })
-	var reads atomic.Int64
-	testHookAfterList = func() { reads.Add(1) }
-	t.Cleanup(func() { testHookAfterList = nil })
-	rec := sourcetest.Follow(t, src, "/app/")
-	cli := cl.Client(t)
-	etcdtest.Put(t, cli, "/app/a", "0")
-	rec.WaitFor(t, "initial", sourcetest.Holds(map[string]string{"a": "0"}))
+	_, rec, cli, reads := followApp(t, cl, []string{cl.Members[0].ClientURL}, slog.New(slog.NewTextHandler(logs, nil)))
 
 	for _, m := range cl.Members[1:] {
 		m.Kill()
