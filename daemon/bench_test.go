@@ -221,6 +221,11 @@ func TestMain(m *testing.M) {
 		hostileWorker()
 	case compromisedMode:
 		compromisedWorker(mode[1], mode[2])
+	case exhaustMode:
+		if os.Args[len(os.Args)-1] == mode[1] {
+			exhaustWorker()
+		}
+		os.Setenv(WorkerEnv, "worker")
 	}
 	MaybeWorker(testRegistry())
 	code := m.Run()

@@ -3,9 +3,7 @@ package daemon
 import (
 	"fmt"
 	"maps"
-	"os/user"
 	"slices"
-	"strconv"
 	"strings"
 
 	"github.com/kvmount/kvmount/admin"
@@ -31,22 +29,25 @@ func confinementWarnings(c privsep.Confinement) []string {
 }
 
 // WorkerView says how the unprivileged workers that read cfg's sources
-// run on this host — as which user, confined how — and, for each trust
+// run on this host — as which users, confined how — and, for each trust
 // domain (privsep.Domain), its sources and mounts and line by line what
 // is in force for its worker on this kernel (privsep.InForce), for
 // kvmount check; and what the kernel lets them run without, as warnings.
-// workerUser is Options.WorkerUser ("" for WorkerUser). It returns an
-// error when no user can be found for them.
-func WorkerView(cfg *config.Config, workerUser string) (view string, warnings []string, err error) {
-	workerUser = workerUserName(workerUser)
-	id, err := workerIdentity(workerUser)
+// workerGroup is Options.WorkerGroup ("" for WorkerGroup). It returns an
+// error when that group is root's.
+func WorkerView(cfg *config.Config, workerGroup string) (view string, warnings []string, err error) {
+	users, err := newDynamicUsers(workerGroup)
 	if err != nil {
 		return "", nil, err
 	}
-	who := fmt.Sprintf("user %s (uid %d)", workerUser, id.UID)
-	if u, err := user.LookupId(strconv.Itoa(id.UID)); err != nil || u.Username != workerUser {
-		// As systemd's DynamicUser=: an id no user or group holds.
-		who = fmt.Sprintf("uid %d, the first free id of systemd's dynamic range: there is no user %s (the packages create it)", id.UID, workerUser)
+	if workerGroup == "" {
+		workerGroup = WorkerGroup
+	}
+	who := fmt.Sprintf("a user of its own each (a free id of systemd's dynamic range, %d–%d, locked as systemd locks DynamicUser= ids), in group %s (gid %d)",
+		dynamicFirst, dynamicLast, workerGroup, users.group)
+	if users.group < 0 {
+		who = fmt.Sprintf("a user of its own each (a free id of systemd's dynamic range, %d–%d, locked as systemd locks DynamicUser= ids), its group the same id: there is no group %s (the packages create it)",
+			dynamicFirst, dynamicLast, workerGroup)
 	}
 	c := privsep.Offered()
 	landlock := "no Landlock"
@@ -92,7 +93,7 @@ func (m *monitor) workerStatus(dw privsep.DomainWorker) *admin.WorkerStatus {
 	st := dw.Supervisor.State()
 	w := &admin.WorkerStatus{
 		Domain: dw.Domain.Name, Sources: dw.Domain.Sources, Mounts: dw.Domain.Mounts,
-		Running: st.PID != 0, PID: st.PID, UID: m.identity.UID,
+		Running: st.PID != 0, PID: st.PID, UID: dw.Supervisor.Identity.UID,
 		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd,
 		LandlockABI: m.offered.LandlockABI,
 		Warnings:    confinementWarnings(m.offered),

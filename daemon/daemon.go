@@ -54,8 +54,9 @@ type Options struct {
 	// process, as it runs, instead of in an unprivileged worker (privsep):
 	// for side-by-side benchmarks of the split only.
 	InProcess bool
-	// WorkerUser is the user the worker runs as; empty means WorkerUser.
-	WorkerUser string
+	// WorkerGroup is the group the workers run in; empty means
+	// WorkerGroup. Each worker runs as a user of its own.
+	WorkerGroup string
 	// workerMode is the value of WorkerEnv the worker starts with:
 	// "worker" when empty; a test's fake worker else (TestMain).
 	workerMode string
@@ -273,6 +274,9 @@ func (d *daemon) close() {
 	}
 	if d.owned != nil {
 		d.owned.Close()
+	}
+	if d.monitor != nil {
+		d.monitor.Close()
 	}
 	d.lock.release()
 }

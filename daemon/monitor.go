@@ -2,84 +2,14 @@ package daemon
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
-	"os/user"
-	"strconv"
-	"strings"
 	"syscall"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/privsep"
 )
-
-// WorkerUser is the user the worker runs as, which the packages create
-// (sysusers.d). Where it does not exist, the worker runs as a user id of
-// systemd's dynamic range that no user or group holds (DynamicUser=).
-const WorkerUser = "kvmount"
-
-// Dynamic user ids, as systemd allocates them for DynamicUser= (systemd's
-// "UID/GID Ranges": 61184–65519).
-const (
-	dynamicFirst = 61184
-	dynamicLast  = 65519
-)
-
-// workerUserName returns the worker's user: name, or WorkerUser for "".
-func workerUserName(name string) string {
-	if name == "" {
-		return WorkerUser
-	}
-	return name
-}
-
-// workerIdentity returns the worker's user and group: name's, else the
-// first id of the dynamic range, from dynamicStart(the monitor's pid) on
-// and around, that neither a user nor a group holds and no running
-// process has as a user or group id — another process of the worker's
-// uid could read its memory or signal it, and its threads count against
-// the worker's RLIMIT_NPROC (privsep.MaxWorkerTasks).
-func workerIdentity(name string) (privsep.Identity, error) {
-	if u, err := user.Lookup(name); err == nil {
-		uid, _ := strconv.Atoi(u.Uid)
-		gid, _ := strconv.Atoi(u.Gid)
-		if uid == 0 || gid == 0 {
-			return privsep.Identity{}, fmt.Errorf("the worker's user %s is root, or in root's group", name)
-		}
-		return privsep.Identity{UID: uid, GID: gid}, nil
-	}
-	running := runningIDs()
-	start := dynamicStart(os.Getpid())
-	for i := range dynamicLast - dynamicFirst + 1 {
-		id := dynamicFirst + (start-dynamicFirst+i)%(dynamicLast-dynamicFirst+1)
-		s := strconv.Itoa(id)
-		if running[id] {
-			continue
-		}
-		if _, err := user.LookupId(s); err == nil {
-			continue
-		}
-		if _, err := user.LookupGroupId(s); err == nil {
-			continue
-		}
-		return privsep.Identity{UID: id, GID: id}, nil
-	}
-	return privsep.Identity{}, fmt.Errorf("no user %s, and no free id in %d–%d for the worker", name, dynamicFirst, dynamicLast)
-}
-
-// dynamicStart returns where the search for a free dynamic id begins for
-// the monitor of process pid: a place of its own in the range, so that
-// monitors that start at once — a package upgrade on a host of several
-// instances, a thousand on one test machine — do not all see the same
-// first id free and take it together (the check and the worker's start
-// are not one step). Sharing a uid, their workers' threads would count
-// against one RLIMIT_NPROC: 1,000 daemons restarted at once on one
-// machine lost workers to pthread_create's EAGAIN.
-func dynamicStart(pid int) int {
-	return dynamicFirst + pid%(dynamicLast-dynamicFirst+1)
-}
 
 // workerCommand returns the command of the worker of domain: this very
 // program (/proc/self/exe, whatever replaced its file since), with
@@ -105,14 +35,14 @@ func workerCommand(mode, domain string) *exec.Cmd {
 // themselves with.
 type monitor struct {
 	*privsep.Monitor
-	identity privsep.Identity
-	offered  privsep.Confinement
+	offered privsep.Confinement
 }
 
 // newMonitor returns the monitor of cfg, whose files rec read, with the
-// workers opts say (Options.WorkerUser); they start when it runs.
+// workers opts say (Options.WorkerGroup), each as a user of its own
+// (dynamicUsers); they start when it runs. Close gives their users back.
 func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts Options) (*monitor, error) {
-	id, err := workerIdentity(workerUserName(opts.WorkerUser))
+	users, err := newDynamicUsers(opts.WorkerGroup)
 	if err != nil {
 		return nil, err
 	}
@@ -120,14 +50,15 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	if mode == "" {
 		mode = "worker"
 	}
-	m := &monitor{identity: id, offered: privsep.Offered(), Monitor: privsep.NewMonitor(privsep.MonitorOptions{
-		Log: log, Identity: id, Kinds: opts.Registry.Decoders(),
+	m := &monitor{offered: privsep.Offered(), Monitor: privsep.NewMonitor(privsep.MonitorOptions{
+		Log: log, Identities: users.take, Kinds: opts.Registry.Decoders(),
 		Command: func(domain string) *exec.Cmd { return workerCommand(mode, domain) },
 	})}
 	if err := m.Remote().SetMounts(cfg.Mounts); err != nil {
 		return nil, err
 	}
 	if err := m.Configure(context.Background(), cfg, inputs(cfg, rec)); err != nil {
+		m.Close()
 		return nil, err
 	}
 	return m, nil
@@ -148,34 +79,4 @@ func (m *monitor) run(ctx context.Context) error {
 		return nil
 	}
 	return err
-}
-
-// runningIDs returns every user and group id (real, effective, saved,
-// file system) of the processes /proc shows now.
-func runningIDs() map[int]bool {
-	ids := map[int]bool{}
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return ids
-	}
-	for _, e := range entries {
-		if _, err := strconv.Atoi(e.Name()); err != nil {
-			continue
-		}
-		data, err := os.ReadFile("/proc/" + e.Name() + "/status")
-		if err != nil {
-			continue // gone meanwhile
-		}
-		for _, line := range strings.Split(string(data), "\n") {
-			if !strings.HasPrefix(line, "Uid:") && !strings.HasPrefix(line, "Gid:") {
-				continue
-			}
-			for _, f := range strings.Fields(line)[1:] {
-				if n, err := strconv.Atoi(f); err == nil {
-					ids[n] = true
-				}
-			}
-		}
-	}
-	return ids
 }

@@ -2,12 +2,15 @@ package daemon
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
 	"os"
 	"os/exec"
+	"os/user"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -243,27 +246,110 @@ func TestWebhookFromTheWorker(t *testing.T) {
 	}
 }
 
-// TestWorkerUIDIsNobodyElses (issue 36, 9): without its user, the worker
-// runs as a dynamic id that no user, no group and no running process
-// holds — a process of the same uid could read its memory or signal it.
+// TestWorkerUIDIsNobodyElses (issue 36, 9): the worker runs as a dynamic
+// id that no user, no group and no running process holds — a process of
+// the same uid could read its memory or signal it.
 func TestWorkerUIDIsNobodyElses(t *testing.T) {
 	roottest.Require(t)
-	first, err := workerIdentity("kvmount-test-no-such-user")
+	users, err := newDynamicUsers("kvmount-test-no-such-group")
 	if err != nil {
 		t.Fatal(err)
 	}
+	first, release, err := users.take("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	release()
 	squatter := exec.Command("/bin/sleep", "30")
 	squatter.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(first.UID), Gid: uint32(first.GID)}}
 	if err := squatter.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { squatter.Process.Kill(); squatter.Wait() }()
-	next, err := workerIdentity("kvmount-test-no-such-user")
+	// A monitor of the same pid begins its search at the same place.
+	again, err := newDynamicUsers("kvmount-test-no-such-group")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if next.UID == first.UID || next.GID == first.GID {
-		t.Errorf("the worker's id %+v is the running process's (%d)", next, first.UID)
+	next, release, err := again.take("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	if next.UID == first.UID || next.GID != next.UID {
+		t.Errorf("the worker's id %+v is the running process's (%d), or its group not its own", next, first.UID)
+	}
+}
+
+// TestDynamicUsersLocked: each domain's worker takes an id of its own,
+// locked as systemd locks DynamicUser= ids (/run/systemd/dynamic-uid/UID,
+// flock(2)ed): another monitor — another kvmount, or systemd — finds it
+// held and takes another, and an id systemd holds is passed over; the
+// id is unlocked and its file removed when given back. The workers' group
+// is the one named where it exists, and root's group is refused.
+func TestDynamicUsersLocked(t *testing.T) {
+	roottest.Require(t)
+	a, err := newDynamicUsers("kvmount-test-no-such-group")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := newDynamicUsers("daemon")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ida, releaseA, err := a.take("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lockFile := filepath.Join(dynamicLockDir, strconv.Itoa(ida.UID))
+	idb, releaseB, err := b.take("b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer releaseB()
+	if idb.UID == ida.UID {
+		t.Fatalf("two monitors took id %d", ida.UID)
+	}
+	if g, err := user.LookupGroup("daemon"); err != nil || strconv.Itoa(idb.GID) != g.Gid || ida.GID != ida.UID {
+		t.Errorf("groups %d and %d; want daemon's and a's own id", idb.GID, ida.GID)
+	}
+	// Held as systemd holds its ids.
+	f, err := os.OpenFile(lockFile, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); !errors.Is(err, syscall.EWOULDBLOCK) {
+		t.Errorf("flock of a held id's file: %v; want EWOULDBLOCK", err)
+	}
+	f.Close()
+	if st, err := os.Stat(lockFile); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("%s: %v, %v; want a file of mode 0600", lockFile, st, err)
+	}
+	// The id b would take next, locked by another (systemd), is passed
+	// over.
+	taken := filepath.Join(dynamicLockDir, strconv.Itoa(b.next))
+	held, err := os.OpenFile(taken, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { os.Remove(taken); held.Close() }()
+	if err := syscall.Flock(int(held.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		t.Fatal(err)
+	}
+	idc, releaseC, err := b.take("c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer releaseC()
+	if strconv.Itoa(idc.UID) == filepath.Base(taken) || idc.UID == ida.UID || idc.UID == idb.UID {
+		t.Errorf("took %d, held elsewhere (%s, %d, %d)", idc.UID, filepath.Base(taken), ida.UID, idb.UID)
+	}
+	releaseA()
+	if _, err := os.Stat(lockFile); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("%s after the id was given back: %v; want it removed", lockFile, err)
+	}
+	if _, err := newDynamicUsers("root"); err == nil {
+		t.Error("root's group taken for the workers")
 	}
 }
 
@@ -330,6 +416,18 @@ func TestWorkerPerTrustDomain(t *testing.T) {
 	if a == 0 || b == 0 || a == b {
 		t.Fatalf("worker pids %d and %d", a, b)
 	}
+	// Each as a user of its own, whose id is locked as long as its
+	// domain is.
+	uidA, uidB := workers["a"].UID, workers["b"].UID
+	lockOf := func(uid int) string { return filepath.Join(dynamicLockDir, strconv.Itoa(uid)) }
+	if uidA == uidB || uidA < dynamicFirst || uidB < dynamicFirst {
+		t.Errorf("the workers of a and b run as uids %d and %d; want two dynamic ids", uidA, uidB)
+	}
+	for _, uid := range []int{uidA, uidB} {
+		if _, err := os.Stat(lockOf(uid)); err != nil {
+			t.Errorf("the lock of uid %d: %v", uid, err)
+		}
+	}
 
 	if err := syscall.Kill(a, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
@@ -344,6 +442,9 @@ func TestWorkerPerTrustDomain(t *testing.T) {
 		t.Errorf("the worker of b after a's was killed: %+v; want %d, started once", w, b)
 	}
 	a = statusWorkers(t, h)["a"].PID
+	if uid := statusWorkers(t, h)["a"].UID; uid != uidA {
+		t.Errorf("a's worker started again as uid %d; want its domain's, %d", uid, uidA)
+	}
 
 	h.writeConfig(mount("ma", "a", "/a/") + mount("mb", "b", "/b/") + fmt.Sprintf(`[[mount]]
 name = "both"
@@ -368,6 +469,16 @@ dir = %q
 		if syscall.Kill(pid, 0) == nil {
 			t.Errorf("the worker %d of a domain that is gone still runs", pid)
 		}
+	}
+	// The users of the domains that are gone are given back; a+b has
+	// its own.
+	for _, uid := range []int{uidA, uidB} {
+		if _, err := os.Stat(lockOf(uid)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("the lock of uid %d, whose domain is gone: %v; want it removed", uid, err)
+		}
+	}
+	if _, err := os.Stat(lockOf(workers["a+b"].UID)); err != nil {
+		t.Errorf("the lock of a+b's uid %d: %v", workers["a+b"].UID, err)
 	}
 	h.put("/a/x", "5")
 	h.waitContent(ma, map[string]string{"x": "5"})

@@ -72,6 +72,7 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 		defer func() {
 			stop()
 			<-done
+			m.Close()
 		}()
 		desired = m.Remote()
 	}

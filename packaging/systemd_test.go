@@ -606,11 +606,12 @@ func TestVaultTLSRecipeOnBootedSystemd(t *testing.T) {
 }
 
 // checkWorker checks the worker of the running service as the kernel
-// shows it (privsep): the package's kvmount user, every capability set
-// empty, no_new_privs, a seccomp filter.
+// shows it (privsep): a user of its own from systemd's dynamic range,
+// locked beside systemd's own dynamic ids, in the package's kvmount
+// group; every capability set empty, no_new_privs, a seccomp filter.
 func checkWorker(t *testing.T, c *container) {
 	t.Helper()
-	uid := c.sh("id -u kvmount")
+	gid := c.sh("getent group kvmount | cut -d: -f3")
 	status := c.sh("cat /proc/$(pgrep -P $(systemctl show -p MainPID --value kvmount) | head -1)/status")
 	fields := map[string]string{}
 	for _, line := range strings.Split(status, "\n") {
@@ -618,8 +619,15 @@ func checkWorker(t *testing.T, c *container) {
 			fields[k] = strings.Join(strings.Fields(v), " ")
 		}
 	}
+	uid := strings.Fields(fields["Uid"] + " ?")[0]
+	if n, err := strconv.Atoi(uid); err != nil || n < 61184 || n > 65519 {
+		t.Errorf("the worker's uid %q; want one of systemd's dynamic range, 61184–65519", uid)
+	}
+	if lock := c.sh("stat -c '%U %a' /run/systemd/dynamic-uid/" + uid + " 2>&1 || true"); lock != "root 600" {
+		t.Errorf("the lock of the worker's uid %s: %q; want root's file, 0600", uid, lock)
+	}
 	want := map[string]string{
-		"Uid": strings.Repeat(uid+" ", 3) + uid, "CapEff": "0000000000000000", "CapPrm": "0000000000000000",
+		"Uid": strings.Repeat(uid+" ", 3) + uid, "Gid": strings.Repeat(gid+" ", 3) + gid, "CapEff": "0000000000000000", "CapPrm": "0000000000000000",
 		"CapBnd": "0000000000000000", "CapInh": "0000000000000000", "CapAmb": "0000000000000000",
 		"NoNewPrivs": "1", "Seccomp": "2",
 	}

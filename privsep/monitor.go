@@ -25,8 +25,14 @@ type MonitorOptions struct {
 	// handler must escape outside text (untrusted.Escape), as the
 	// daemon's does.
 	Log *slog.Logger
-	// Identity is the user and group every worker runs as.
-	Identity Identity
+	// Identities gives the worker of each trust domain the user and
+	// group it runs as — a user of its own, so that nothing the kernel
+	// grants a user (its RLIMIT_NPROC count, signals, prlimit(2)) spans
+	// two domains — and the function that gives them back once that
+	// worker is gone for good. It is called once per domain, when the
+	// domain first appears in a configuration; an error refuses that
+	// configuration.
+	Identities func(domain string) (id Identity, release func(), err error)
 	// Command returns the command of the worker of the domain named, a
 	// new one for every start; its output and ExtraFiles are the
 	// monitor's to set.
@@ -75,6 +81,8 @@ type domainWorker struct {
 	// mounts are mounts.
 	domain Domain
 	super  *Supervisor
+	// release gives back its identity (MonitorOptions.Identities).
+	release func()
 	// cfg is the configuration it runs, or is to run when it starts, and
 	// mounts the mounts of its domain in it (Monitor.mu guards both);
 	// policy its Landlock and seccomp policy.
@@ -161,6 +169,27 @@ func (m *Monitor) Configure(ctx context.Context, cfg *config.Config, inputs map[
 	current := maps.Clone(m.workers)
 	m.mu.Unlock()
 
+	// Each new domain's worker is given its user before any worker takes
+	// a share: a configuration some new domain finds no user for is
+	// refused, the running one untouched.
+	fresh := map[string]identity{}
+	releaseFresh := func() {
+		for _, id := range fresh {
+			id.release()
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(plans)) {
+		if current[name] != nil {
+			continue
+		}
+		id, release, err := m.opts.Identities(name)
+		if err != nil {
+			releaseFresh()
+			return fmt.Errorf("domain %s: no user for its worker: %w", name, err)
+		}
+		fresh[name] = identity{id, release}
+	}
+
 	// The workers that stay and keep their policy take the new shares
 	// first, together: any of them may refuse.
 	type handed struct {
@@ -205,6 +234,7 @@ func (m *Monitor) Configure(ctx context.Context, cfg *config.Config, inputs map[
 			}
 			h.w.setFiles(h.prevFiles)
 		}
+		releaseFresh()
 		return errors.Join(refused...)
 	}
 
@@ -219,7 +249,7 @@ func (m *Monitor) Configure(ctx context.Context, cfg *config.Config, inputs map[
 		w := current[name]
 		switch {
 		case w == nil:
-			m.workers[name] = m.newWorker(p)
+			m.workers[name] = m.newWorker(p, fresh[name])
 			if m.ctx != nil {
 				m.start(m.workers[name])
 			}
@@ -247,6 +277,7 @@ func (m *Monitor) Configure(ctx context.Context, cfg *config.Config, inputs map[
 		// it.
 		go func() {
 			w.stop()
+			w.release()
 			m.opts.Log.Info("no mount or source of the configuration is of the domain any more: its worker stopped", "domain", w.domain.Name)
 		}()
 	}
@@ -260,9 +291,16 @@ const applyTimeout = 30 * time.Second
 // setFiles makes names the credential files w may ask for.
 func (w *domainWorker) setFiles(names []string) { w.files.Store(&names) }
 
-// newWorker returns the worker of p's domain, not started.
-func (m *Monitor) newWorker(p planned) *domainWorker {
-	w := &domainWorker{m: m, domain: p.domain, cfg: p.cfg, mounts: p.domain.Mounts, asked: map[string]bool{}, posts: map[uint32]chan string{},
+// identity is a worker's user and group, and what gives them back.
+type identity struct {
+	Identity
+	release func()
+}
+
+// newWorker returns the worker of p's domain, to run as id, not started.
+func (m *Monitor) newWorker(p planned, id identity) *domainWorker {
+	w := &domainWorker{m: m, domain: p.domain, cfg: p.cfg, mounts: p.domain.Mounts, release: sync.OnceFunc(id.release),
+		asked: map[string]bool{}, posts: map[uint32]chan string{},
 		rereads: rate.NewLimiter(rereadRate, rereadBurst), relayed: rate.NewLimiter(RelayRate, RelayBurst)}
 	w.policy.Store(&p.policy)
 	w.setFiles(p.files)
@@ -277,7 +315,7 @@ func (m *Monitor) newWorker(p planned) *domainWorker {
 			cmd.Stdout, cmd.Stderr = out, out
 			return cmd
 		},
-		Identity:  m.opts.Identity,
+		Identity:  id.Identity,
 		Log:       log,
 		OnPayload: func(pl *Payload) { m.remote.HandlePayload(p.domain.Name, pl) },
 		OnMessage: w.serve,
@@ -344,6 +382,18 @@ func (m *Monitor) Run(ctx context.Context) error {
 	}
 	m.runs.Wait()
 	return err
+}
+
+// Close gives back the identity of each domain's worker
+// (MonitorOptions.Identities). Call it once Run has returned, or when Run
+// never ran; the monitor runs no worker after it.
+func (m *Monitor) Close() {
+	m.mu.Lock()
+	workers := slices.Collect(maps.Values(m.workers))
+	m.mu.Unlock()
+	for _, w := range workers {
+		w.release()
+	}
 }
 
 // serve serves a worker's message through the request table

@@ -58,8 +58,9 @@ func testWorker() error {
 	attempts["connect allowed"] = func() error {
 		return escapetest.CloseAfter(net.Dial("tcp", os.Getenv("KVMOUNT_TEST_ALLOWED_ADDR")))
 	}
-	// Another process of the worker's user (another trust domain's
-	// worker): lowering its open files to none would starve it.
+	// Another process of the worker's user: prlimit(2) asks nothing
+	// more to lower its open files to none. (Each trust domain's worker
+	// is a user of its own, so this is the seccomp filter's own bound.)
 	sibling, _ := strconv.Atoi(os.Getenv("KVMOUNT_TEST_SIBLING"))
 	attempts["prlimit sibling"] = func() error {
 		return unix.Prlimit(sibling, unix.RLIMIT_NOFILE, &unix.Rlimit{Cur: 0, Max: 0}, nil)
@@ -96,8 +97,7 @@ func runWorker(t *testing.T, confine bool) (map[string]string, workerReport) {
 		return l
 	}
 	allowed, other := listen(), listen()
-	// A process of the worker's user beside it, as another trust
-	// domain's worker would be.
+	// A process of the worker's user beside it.
 	sibling := exec.Command("/bin/sleep", "60")
 	sibling.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(u.UID), Gid: uint32(u.GID)}}
 	if err := sibling.Start(); err != nil {

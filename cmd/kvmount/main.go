@@ -136,7 +136,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				fmt.Fprintf(stderr, "warning: %s\n", untrusted.Escape(w))
 				warnings++
 			}
-			worker, workerWarnings, werr := daemon.WorkerView(cfg, opts.WorkerUser)
+			worker, workerWarnings, werr := daemon.WorkerView(cfg, opts.WorkerGroup)
 			if werr != nil {
 				err = werr
 				break
