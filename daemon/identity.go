@@ -99,12 +99,6 @@ func (u *dynamicUsers) take(domain string) (privsep.Identity, func(), error) {
 		if lock == nil {
 			continue // another holds it
 		}
-		if runningIDs()[id] {
-			// A process took it between the look and the lock.
-			unix.Unlinkat(int(dir.Fd()), strconv.Itoa(id), 0)
-			lock.Close()
-			continue
-		}
 		u.next = dynamicFirst + (id-dynamicFirst+1)%size
 		gid := u.group
 		if gid < 0 {

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/admin"
+	"github.com/kvmount/kvmount/fsutil"
 	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/reconcile"
@@ -350,6 +351,18 @@ func TestDynamicUsersLocked(t *testing.T) {
 	}
 	if _, err := newDynamicUsers("root"); err == nil {
 		t.Error("root's group taken for the workers")
+	}
+	// A lock directory another user could write is not used.
+	open := filepath.Join(t.TempDir(), "dynamic-uid")
+	if err := os.Mkdir(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	exposed := &dynamicUsers{group: -1, lockDir: open, next: dynamicFirst}
+	if _, _, err := exposed.take("x"); !errors.Is(err, fsutil.ErrNotPrivate) {
+		t.Errorf("take with a lock directory others can write: %v; want ErrNotPrivate", err)
 	}
 }
 
