@@ -26,8 +26,9 @@ import (
 // revision and a watch from it, again after each error (with backoff,
 // and at once for a resync); after a watch that stalled or ended for want
 // of a leader (errResume), the watch alone, from where it stood — at once
-// after a stall, after the backoff otherwise. The backoff starts
-// again from its shortest once a watch is established.
+// after a stall, after the backoff otherwise, which then waits at most
+// resumeRetryMax. The backoff starts again from its shortest once a watch
+// is established.
 func (s *Source) runGroup(ctx context.Context, g *group) {
 	log := s.log.With("group", g.prefix)
 	bo := source.NewBackoff()
@@ -58,6 +59,9 @@ func (s *Source) runGroup(ctx context.Context, g *group) {
 			return
 		}
 		wait := bo.NextBackOff()
+		if resume != nil && wait > resumeRetryMax {
+			wait = source.Jitter(resumeRetryMax)
+		}
 		attrs := []any{"err", err, "prefixes", len(g.snapshot()), "retry_in", wait.Round(time.Millisecond)}
 		if resume != nil {
 			attrs = append(attrs, "resume_from", resume.rev)
@@ -71,6 +75,15 @@ func (s *Source) runGroup(ctx context.Context, g *group) {
 		}
 	}
 }
+
+// resumeRetryMax bounds the wait between a group's tries to resume its
+// watch (errResume: a member without a leader, or none reachable while
+// resuming), ±10 %: a resume reads nothing — a watch from a revision, which
+// etcd refuses at once while it has no leader — so it needs less shielding
+// than a read, which keeps the backoff up to source.RetryMax; a quorum
+// back is found within it however long it was lost (at 1,000 daemons,
+// about 200 watch requests a second in all while it is lost).
+const resumeRetryMax = 5 * time.Second
 
 // errRefusedGroup is returned by a group's cycle when etcd refuses the
 // watch of its prefix, which covers several members, for want of

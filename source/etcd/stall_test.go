@@ -351,7 +351,9 @@ func TestResumedWatchStaysStale(t *testing.T) {
 // from where it stood, reading nothing again — a lost quorum makes a
 // fleet resume, not re-read (issue 37's herds; before, every daemon on the
 // member read its prefixes again). A write made after the quorum is back
-// arrives.
+// arrives. Lost the second time for longer, the tries to resume grow to
+// resumeRetryMax and no further, and the write after the quorum's return
+// arrives within that wait.
 func TestLeaderlessMemberResumes(t *testing.T) {
 	cl := etcdtest.StartCluster(t, 3)
 	logs := &testlog.Buffer{}
@@ -401,11 +403,29 @@ func TestLeaderlessMemberResumes(t *testing.T) {
 	if d > source.RetryMin*6/5 {
 		t.Errorf("the first retry after the second loss waits %v (the first loss's waited %v); want at most %v: the backoff starts again once a watch is established", d, first, source.RetryMin*6/5)
 	}
+	// Lost for longer, the tries to resume wait at most resumeRetryMax
+	// (±10 %), where a read's backoff goes on to source.RetryMax: the
+	// quorum's return is found within it.
+	for deadline := time.Now().Add(60 * time.Second); len(retryDelays(logs.String())) < len(first)+7; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("fewer than 7 tries in 60 s of the second loss: %v", retryDelays(logs.String())[len(first):])
+		}
+	}
+	second := retryDelays(logs.String())[len(first):]
+	t.Logf("the second loss's tries waited %v", second)
+	if slices.Max(second) > resumeRetryMax*11/10 || second[len(second)-1] < resumeRetryMax*9/10 {
+		t.Errorf("the second loss's tries waited %v; want them to grow to %v ±10 %% and no further", second, resumeRetryMax)
+	}
 	for _, m := range cl.Members[1:] {
 		m.Restart(t)
 	}
 	etcdtest.Put(t, cli, "/app/a", "2")
+	back := time.Now()
 	rec.WaitFor(t, "the write after the second loss", sourcetest.Holds(map[string]string{"a": "2"}))
+	t.Logf("the write after the second loss arrived %v after it was acknowledged", time.Since(back).Round(10*time.Millisecond))
+	if took := time.Since(back); took > resumeRetryMax*11/10+2*time.Second {
+		t.Errorf("the write after the second loss arrived %v after it was acknowledged; want within the longest wait to resume (%v ±10 %%) and 2 s", took, resumeRetryMax)
+	}
 	if n := reads.Load(); n != 1 {
 		t.Errorf("after the second loss the group's prefixes were read %d times; want once", n)
 	}
