@@ -187,6 +187,9 @@ func (m *Monitor) Configure(ctx context.Context, cfg *config.Config, inputs map[
 			releaseFresh()
 			return fmt.Errorf("domain %s: no user for its worker: %w", name, err)
 		}
+		if release == nil {
+			release = func() {}
+		}
 		fresh[name] = identity{id, release}
 	}
 
