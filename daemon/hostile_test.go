@@ -142,17 +142,7 @@ func frameType(m privsep.Message) byte {
 // and waits for the monitor to end it.
 func hostileWorker() {
 	conn := privsep.WorkerConn()
-	d := privsep.NewDecoder(conn, privsep.FromMonitor)
-	var seq uint32
-	for seq == 0 {
-		m, err := d.Decode()
-		if err != nil {
-			os.Exit(1)
-		}
-		if a, ok := m.(*privsep.Apply); ok {
-			seq = a.Seq
-		}
-	}
+	seq := awaitApply(conn)
 	e := privsep.NewEncoder(conn)
 	e.Encode(&privsep.Applied{Seq: seq})
 	good := func(content string) {
@@ -200,5 +190,21 @@ func TestHostileWorker(t *testing.T) {
 	}
 	if w := workerStatus(t, h); w.Refusals != uint64(len(hostileAttacks)) || w.Starts != uint64(len(hostileAttacks))+1 {
 		t.Errorf("/status: %d refusals, %d starts; want %d and %d", w.Refusals, w.Starts, len(hostileAttacks), len(hostileAttacks)+1)
+	}
+}
+
+// awaitApply reads what the monitor sends a fake worker on conn until its
+// first Apply, and returns that Apply's Seq; it exits the process when
+// the link fails first.
+func awaitApply(conn io.Reader) uint32 {
+	d := privsep.NewDecoder(conn, privsep.FromMonitor)
+	for {
+		m, err := d.Decode()
+		if err != nil {
+			os.Exit(1)
+		}
+		if a, ok := m.(*privsep.Apply); ok && a.Seq != 0 {
+			return a.Seq
+		}
 	}
 }

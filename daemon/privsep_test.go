@@ -252,14 +252,7 @@ func TestWebhookFromTheWorker(t *testing.T) {
 // the same uid could read its memory or signal it.
 func TestWorkerUIDIsNobodyElses(t *testing.T) {
 	roottest.Require(t)
-	users, err := newDynamicUsers("kvmount-test-no-such-group")
-	if err != nil {
-		t.Fatal(err)
-	}
-	first, release, err := users.take("a")
-	if err != nil {
-		t.Fatal(err)
-	}
+	first, release := takeID(t, mustDynamicUsers(t, "kvmount-test-no-such-group"), "a")
 	release()
 	squatter := exec.Command("/bin/sleep", "30")
 	squatter.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uint32(first.UID), Gid: uint32(first.GID)}}
@@ -268,14 +261,7 @@ func TestWorkerUIDIsNobodyElses(t *testing.T) {
 	}
 	defer func() { squatter.Process.Kill(); squatter.Wait() }()
 	// A monitor of the same pid begins its search at the same place.
-	again, err := newDynamicUsers("kvmount-test-no-such-group")
-	if err != nil {
-		t.Fatal(err)
-	}
-	next, release, err := again.take("a")
-	if err != nil {
-		t.Fatal(err)
-	}
+	next, release := takeID(t, mustDynamicUsers(t, "kvmount-test-no-such-group"), "a")
 	defer release()
 	if next.UID == first.UID || next.GID != next.UID {
 		t.Errorf("the worker's id %+v is the running process's (%d), or its group not its own", next, first.UID)
@@ -290,23 +276,10 @@ func TestWorkerUIDIsNobodyElses(t *testing.T) {
 // is the one named where it exists, and root's group is refused.
 func TestDynamicUsersLocked(t *testing.T) {
 	roottest.Require(t)
-	a, err := newDynamicUsers("kvmount-test-no-such-group")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := newDynamicUsers("daemon")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ida, releaseA, err := a.take("a")
-	if err != nil {
-		t.Fatal(err)
-	}
+	a, b := mustDynamicUsers(t, "kvmount-test-no-such-group"), mustDynamicUsers(t, "daemon")
+	ida, releaseA := takeID(t, a, "a")
 	lockFile := filepath.Join(dynamicLockDir, strconv.Itoa(ida.UID))
-	idb, releaseB, err := b.take("b")
-	if err != nil {
-		t.Fatal(err)
-	}
+	idb, releaseB := takeID(t, b, "b")
 	defer releaseB()
 	if idb.UID == ida.UID {
 		t.Fatalf("two monitors took id %d", ida.UID)
@@ -337,10 +310,7 @@ func TestDynamicUsersLocked(t *testing.T) {
 	if err := syscall.Flock(int(held.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		t.Fatal(err)
 	}
-	idc, releaseC, err := b.take("c")
-	if err != nil {
-		t.Fatal(err)
-	}
+	idc, releaseC := takeID(t, b, "c")
 	defer releaseC()
 	if strconv.Itoa(idc.UID) == filepath.Base(taken) || idc.UID == ida.UID || idc.UID == idb.UID {
 		t.Errorf("took %d, held elsewhere (%s, %d, %d)", idc.UID, filepath.Base(taken), ida.UID, idb.UID)
@@ -364,6 +334,27 @@ func TestDynamicUsersLocked(t *testing.T) {
 	if _, _, err := exposed.take("x"); !errors.Is(err, fsutil.ErrNotPrivate) {
 		t.Errorf("take with a lock directory others can write: %v; want ErrNotPrivate", err)
 	}
+}
+
+// mustDynamicUsers returns newDynamicUsers(group), failing the test on
+// an error.
+func mustDynamicUsers(t *testing.T, group string) *dynamicUsers {
+	t.Helper()
+	u, err := newDynamicUsers(group)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
+// takeID returns u.take(domain), failing the test on an error.
+func takeID(t *testing.T, u *dynamicUsers, domain string) (privsep.Identity, func()) {
+	t.Helper()
+	id, release, err := u.take(domain)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id, release
 }
 
 // TestDynamicStartsSpread: monitors that start at once begin their

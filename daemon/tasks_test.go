@@ -30,17 +30,7 @@ const exhaustMode = "exhaust"
 // first start fails.
 func exhaustWorker() {
 	conn := privsep.WorkerConn()
-	d := privsep.NewDecoder(conn, privsep.FromMonitor)
-	var seq uint32
-	for seq == 0 {
-		m, err := d.Decode()
-		if err != nil {
-			os.Exit(1)
-		}
-		if a, ok := m.(*privsep.Apply); ok {
-			seq = a.Seq
-		}
-	}
+	seq := awaitApply(conn)
 	if err := privsep.Harden(privsep.WorkerFD); err != nil {
 		os.Exit(1)
 	}
