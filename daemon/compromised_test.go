@@ -209,7 +209,6 @@ func TestCompromisedWorker(t *testing.T) {
 			h.writeConfig(h.mount("app", "/apps/app/", `medium = "tmpfs"`, `size_limit = "1MiB"`, `default_mode = "0400"`))
 			h.workerMode = compromisedMode + ":" + attack + ":" + token
 			dir := h.path("mnt", "app")
-			t.Cleanup(func() { syscall.Unmount(dir, syscall.MNT_DETACH) })
 			h.start()
 			if attack != "mode" {
 				h.waitContent(dir, map[string]string{"app.conf": "v1"})

@@ -22,7 +22,6 @@ func TestTmpfsMedium(t *testing.T) {
 	roottest.Require(t)
 	h := newHarness(t)
 	dir := h.path("mnt", "secrets")
-	roottest.UnmountAtEnd(t, dir)
 	h.put("/s/db-password", "hunter2", "/s/tls/key.pem", "KEY")
 	tmpfs := h.mount("secrets", "/s/", `medium = "tmpfs"`, `size_limit = "64KiB"`, `default_mode = "0400"`, `dir_mode = "0750"`, `user = "1234"`, `group = "5678"`)
 	h.writeConfig(tmpfs)
@@ -364,7 +363,6 @@ func TestForeignTmpfsIsRefused(t *testing.T) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	roottest.UnmountAtEnd(t, dir)
 	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m,mode=0711"); err != nil {
 		t.Fatal(err)
 	}
@@ -396,7 +394,6 @@ func TestTmpfsReplacesAFullPayload(t *testing.T) {
 	roottest.Require(t)
 	h := newHarness(t)
 	dir := h.path("mnt", "full")
-	roottest.UnmountAtEnd(t, dir)
 	page := os.Getpagesize()
 	const files = 8
 	values := func(round int) ([]string, map[string]string) {
@@ -435,7 +432,6 @@ func TestDirModeAndOwnerFollowReload(t *testing.T) {
 		t.Run(medium, func(t *testing.T) {
 			h := newHarness(t)
 			dir := h.path("mnt", "m")
-			roottest.UnmountAtEnd(t, dir)
 			h.put("/m/a", "1", "/m/sub/deep/b", "2")
 			cfg := func(mode, user string) string {
 				return h.mount("m", "/m/", fmt.Sprintf("medium = %q", medium), fmt.Sprintf("dir_mode = %q", mode), fmt.Sprintf("user = %q", user), fmt.Sprintf("group = %q", user))
@@ -490,7 +486,6 @@ func TestFileCountLimits(t *testing.T) {
 	socket := h.path("admin.sock")
 	h.admin = "unix:" + socket
 	dir, disk := h.path("mnt", "small"), h.path("mnt", "few")
-	roottest.UnmountAtEnd(t, dir)
 	h.put("/small/a", "1", "/few/a", "1")
 	h.writeConfig(h.mount("small", "/small/", `medium = "tmpfs"`, `size_limit = "64KiB"`) + h.mount("few", "/few/", `max_files = 50`))
 	h.start()

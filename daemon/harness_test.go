@@ -86,6 +86,9 @@ func newBareHarness(t *testing.T) *harness {
 	h := &harness{t: t, base: base, config: filepath.Join(base, "kvmount.toml"), logs: &testlog.Buffer{}}
 	t.Cleanup(func() {
 		h.stop()
+		// After the stop: a running daemon mounts a tmpfs it finds gone
+		// again.
+		roottest.UnmountUnder(t, base)
 		if t.Failed() {
 			t.Logf("kvmount logs:\n%s", h.logs)
 		}

@@ -10,8 +10,6 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
-
-	"github.com/kvmount/kvmount/internal/roottest"
 )
 
 // versionDirs returns the version directories in dir.
@@ -239,7 +237,6 @@ func TestKeepReplaced(t *testing.T) {
 // never reach the disk its files never touch.
 func TestManifestsStayOffTheMount(t *testing.T) {
 	h := newHarness(t)
-	roottest.UnmountAtEnd(t, h.path("mnt", "secret"))
 	h.writeConfig(h.mount("conf", "/conf/") + h.mount("secret", "/secret/", `medium = "tmpfs"`))
 	h.put("/conf/a", "1", "/secret/s", "2")
 	h.start()

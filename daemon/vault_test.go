@@ -42,9 +42,8 @@ func vaultHarness(t *testing.T) (*harness, *vaulttest.Server, *faultproxy.Proxy)
 }
 
 // tmpfsMount returns a [[mount]] of the harness on tmpfs, unmounted when
-// the test ends.
+// the test ends (by the harness, after the daemon stops).
 func (h *harness) tmpfsMount(name, prefix string, extra ...string) string {
-	roottest.UnmountAtEnd(h.t, h.path("mnt", name))
 	return h.mount(name, prefix, append([]string{`medium = "tmpfs"`}, extra...)...)
 }
 
@@ -208,7 +207,6 @@ func TestVaultTemplates(t *testing.T) {
 	enableVaultPKI(t, srv, false)
 	srv.Put(t, "secret", "app/db", map[string]any{"user": "ada", "password": "p1", "port": 5432})
 	dir := h.path("mnt", "app")
-	roottest.UnmountAtEnd(t, dir)
 	h.writeConfig(fmt.Sprintf(`[[mount]]
 name = "app"
 dir = %q

@@ -50,6 +50,7 @@ func newKvmountd(t testing.TB, body string) *kvmountd {
 	}
 	t.Cleanup(func() {
 		d.kill()
+		roottest.UnmountUnder(t, base)
 		if t.Failed() || os.Getenv("KVMOUNT_TOPOLOGY_LOGS") != "" {
 			t.Logf("kvmount logs:\n%s", d.logs)
 		}
@@ -61,9 +62,8 @@ func newKvmountd(t testing.TB, body string) *kvmountd {
 func (d *kvmountd) dir(name string) string { return filepath.Join(d.base, "mnt", name) }
 
 // tmpfsMount returns a [[mount]] table on tmpfs named name, unmounted when
-// the test ends; extra are more of its lines.
+// the test ends (after the daemon is killed); extra are more of its lines.
 func (d *kvmountd) tmpfsMount(name string, extra string) string {
-	roottest.UnmountAtEnd(d.t, d.dir(name))
 	return fmt.Sprintf("[[mount]]\nname = %q\ndir = %q\nmedium = \"tmpfs\"\n%s\n", name, d.dir(name), extra)
 }
 

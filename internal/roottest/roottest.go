@@ -53,6 +53,8 @@ func MountsAt(tb testing.TB, dir string) int {
 }
 
 // UnmountAtEnd makes sure nothing stays mounted at dir when the test ends.
+// A test that runs a daemon, which may mount dir again until it stops,
+// calls UnmountUnder after stopping it instead.
 func UnmountAtEnd(tb testing.TB, dir string) {
 	tb.Cleanup(func() {
 		for MountsAt(tb, dir) > 0 {
@@ -62,6 +64,53 @@ func UnmountAtEnd(tb testing.TB, dir string) {
 			}
 		}
 	})
+}
+
+// UnmountUnder detaches every mount whose mount point is dir or below it,
+// from /proc/self/mountinfo, the deepest first and each as often as it is
+// stacked, so that the temporary directory holding them can be removed.
+// Harnesses call it once the daemon they ran has stopped: called before,
+// a daemon whose reconciler finds its tmpfs gone mounts it again.
+func UnmountUnder(tb testing.TB, dir string) {
+	tb.Helper()
+	for range 100 {
+		points := mountPointsUnder(tb, dir)
+		if len(points) == 0 {
+			return
+		}
+		// The longest path first: a mount inside another goes before it.
+		slices.SortFunc(points, func(a, b string) int { return len(b) - len(a) })
+		if err := unix.Unmount(points[0], unix.MNT_DETACH); err != nil {
+			tb.Errorf("unmount %s: %v", points[0], err)
+			return
+		}
+	}
+	tb.Errorf("mounts still below %s after 100 unmounts", dir)
+}
+
+// mountPointsUnder returns the mount points of /proc/self/mountinfo that
+// are dir or below it, one per mount. The kernel escapes a space, tab,
+// newline and backslash of a mount point in octal; the temporary
+// directories of tests have none.
+func mountPointsUnder(tb testing.TB, dir string) []string {
+	tb.Helper()
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer f.Close()
+	var points []string
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
+			points = append(points, fields[4])
+		}
+	}
+	if err := sc.Err(); err != nil {
+		tb.Fatal(err)
+	}
+	return points
 }
 
 // ACL entry tags (include/uapi/linux/posix_acl.h).
