@@ -62,6 +62,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./reconcile ./admin ./source/consul
 	@etcd=$$(scripts/etcd-server.sh) && KVMOUNT_ETCD=$$etcd $(GO) test -run '^$$' -bench '^BenchmarkWatchGrouping$$' -benchtime 1x -count 3 -timeout 20m ./source/etcd
 	$(GO) test -run '^$$' -bench '^BenchmarkWakeUp$$' -benchtime 2000x -count 3 ./privsep
+	$(GO) test -run '^$$' -bench '^BenchmarkRemoteResend$$' -benchtime 3x -count 3 ./privsep
 	$(MAKE) bench-baseline
 
 # The commit bench-baseline compares this tree with: by default the last one

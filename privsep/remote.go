@@ -329,7 +329,10 @@ func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 		d.Payload, d.Revision = rm.payload, rm.revision
 		if prev != nil && prev.Payload != nil && (!rm.payloadNew || prev.Payload.Equal(rm.payload)) {
 			d.Generation, d.ChangedAt = prev.Generation, prev.ChangedAt
-			d.Payload = prev.Payload
+			// One copy is held: the payload sent again (by a worker
+			// started again, every mount's) is dropped for the equal
+			// one already desired, which the reconciler may be writing.
+			d.Payload, rm.payload = prev.Payload, prev.Payload
 		} else {
 			r.generation++
 			d.Generation, d.ChangedAt = r.generation, time.Now()

@@ -5,6 +5,7 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/projector"
+	"github.com/kvmount/kvmount/reconcile"
 )
 
 // TestRemoteWakesAtIdle: the reports of one write — a mount's state, its
@@ -80,4 +81,35 @@ func TestRemoteBudget(t *testing.T) {
 	}
 	want("c", 950)
 	want("nobody", 950)
+}
+
+// TestRemoteHoldsOneCopy: a payload sent again equal to the one desired —
+// as a worker started again sends every mount's — keeps its generation,
+// and the Remote holds the one copy the desired state points to, not the
+// new one beside it.
+func TestRemoteHoldsOneCopy(t *testing.T) {
+	r := NewRemote()
+	mount := &config.Mount{Name: "app", UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
+	if err := r.SetMounts([]*config.Mount{mount}); err != nil {
+		t.Fatal(err)
+	}
+	send := func(gen uint64, value string) *reconcile.DesiredMount {
+		t.Helper()
+		r.HandleMessage("main", &MountState{Mount: "app", Generation: gen, Revision: "main@7"})
+		r.HandlePayload("main", &Payload{Mount: "app", Revision: "main@7", Files: projector.Payload{"k": {Data: []byte(value), Mode: 0o644}}})
+		return r.Populate()["app"]
+	}
+	first := send(1, "v")
+	again := send(1, "v") // the worker started again: its generations start again too
+	if again.Generation != first.Generation {
+		t.Errorf("generation %d after an equal payload; want %d kept", again.Generation, first.Generation)
+	}
+	held := r.mounts["app"].payload
+	if &held["k"].Data[0] != &first.Payload["k"].Data[0] || &again.Payload["k"].Data[0] != &first.Payload["k"].Data[0] {
+		t.Error("an equal payload sent again is held beside the one desired; want one copy")
+	}
+	changed := send(2, "w")
+	if changed.Generation == first.Generation || string(r.mounts["app"].payload["k"].Data) != "w" || &changed.Payload["k"].Data[0] != &r.mounts["app"].payload["k"].Data[0] {
+		t.Errorf("a changed payload: generation %d, held %q; want a new generation and the new payload held once", changed.Generation, r.mounts["app"].payload["k"].Data)
+	}
 }
