@@ -768,8 +768,14 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     visible, and restart-write-first-s the same for the first mount
 //     (written just before): mounts are read in no promised order, so
 //     the later of the two is nearer the time until every mount is
-//     current; the benchmark fails if the restart rewrote an unchanged
-//     mount.
+//     current;
+//   - pss-anon-monitor-worker-killed-MiB: the monitor's anonymous memory
+//     at rest after its worker was killed (SIGKILL) and the next one
+//     sent every mount's payload again, equal to the ones it holds
+//     (pss-anon-monitor-MiB is the same before);
+//
+// and fails if the restart or the worker's end rewrote an unchanged
+// mount.
 //
 // b.N is ignored beyond the first iteration: it is one measurement (run
 // with -benchtime 1x).
@@ -982,10 +988,34 @@ func scale100kKeys(b *testing.B, bin string) {
 			b.Fatal("the writes after the restart never arrived")
 		}
 	}
+	// The worker killed, as a crash would: the monitor starts another,
+	// which reads every mount again and sends its payloads, equal to
+	// those the monitor holds. A write to the last mount after it tells
+	// when all have come; the monitor's memory is then taken at rest.
+	workers := childPIDs(b, cmd.Process.Pid)
+	if len(workers) != 1 {
+		b.Fatalf("%d workers; want 1", len(workers))
+	}
+	if err := syscall.Kill(workers[0], syscall.SIGKILL); err != nil {
+		b.Fatal(err)
+	}
+	if err := store.put(fmt.Sprintf("/scale/m%04d/key-099", mounts-1), "after the worker"); err != nil {
+		b.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Minute); ; time.Sleep(20 * time.Millisecond) {
+		if data, _ := os.ReadFile(filepath.Join(last, "key-099")); string(data) == "after the worker" {
+			break
+		}
+		if time.Now().After(deadline) {
+			b.Fatal("the write after the worker's end never arrived")
+		}
+	}
+	time.Sleep(8 * time.Second)
+	monitorAnonAfter, _, _ := memoryParts(b, cmd.Process.Pid)
 	stop(cmd)
 	b.StopTimer()
 	if now, err := os.Readlink(unchanged); err != nil || now != first {
-		b.Fatalf("the restart rewrote the unchanged mount m0001: ..data was %s, is %s (%v)", first, now, err)
+		b.Fatalf("the restart or the worker's end rewrote the unchanged mount m0001: ..data was %s, is %s (%v)", first, now, err)
 	}
 	b.ReportMetric(cold.Seconds(), "cold-start-s")
 	b.ReportMetric(floor.Seconds(), "floor-s")
@@ -1001,6 +1031,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(float64(pss)/(1<<20), "pss-MiB")
 	b.ReportMetric(float64(workerRSS)/(1<<20), "rss-worker-MiB")
 	b.ReportMetric(float64(monitorAnon)/(1<<20), "pss-anon-monitor-MiB")
+	b.ReportMetric(float64(monitorAnonAfter)/(1<<20), "pss-anon-monitor-worker-killed-MiB")
 	b.ReportMetric(float64(workerAnon)/(1<<20), "pss-anon-worker-MiB")
 	b.ReportMetric(float64(filePSS)/(1<<20), "pss-file-MiB")
 }
