@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -544,4 +545,38 @@ func TestCandidateIsRootsUntilChecked(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestCollectedVersionReleased: a replaced version removed by Collect is
+// gone from memory too — its payload's bytes are collected once nothing
+// else holds them, not kept alive by the writer until its next write.
+func TestCollectedVersionReleased(t *testing.T) {
+	dir := t.TempDir()
+	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	first := make([]byte, 1<<16)
+	released := make(chan struct{})
+	runtime.AddCleanup(&first[0], func(ch chan struct{}) { close(ch) }, released)
+	if _, err := w.Write(Payload{"a": {Data: first, Mode: 0o644}}); err != nil {
+		t.Fatal(err)
+	}
+	first = nil
+	if _, err := w.Write(Payload{"a": file("2", 0o644)}); err != nil {
+		t.Fatal(err)
+	}
+	if due, err := w.Collect(time.Now().Add(2 * time.Hour)); err != nil || !due.IsZero() {
+		t.Fatalf("Collect after the grace period = %v, %v; want every replaced version removed", due, err)
+	}
+	for range 50 {
+		runtime.GC()
+		select {
+		case <-released:
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	t.Error("the payload of a collected version is still held after 50 collections")
 }
