@@ -115,16 +115,24 @@ func TestFsyncErrorAfterSwitchKeepsTheVersion(t *testing.T) {
 	}
 }
 
-// TestReplacedVersionsKeptForGrace: replaced versions stay for their grace
-// period, are removed by Collect once it is over, and never number more
-// than MaxRetired.
-func TestReplacedVersionsKeptForGrace(t *testing.T) {
+// graceWriter opens an atomic writer on a new temporary directory, whose
+// replaced versions are kept for an hour, closed when the test ends.
+func graceWriter(t *testing.T) (string, *AtomicWriter) {
+	t.Helper()
 	dir := t.TempDir()
 	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer w.Close()
+	t.Cleanup(func() { w.Close() })
+	return dir, w
+}
+
+// TestReplacedVersionsKeptForGrace: replaced versions stay for their grace
+// period, are removed by Collect once it is over, and never number more
+// than MaxRetired.
+func TestReplacedVersionsKeptForGrace(t *testing.T) {
+	dir, w := graceWriter(t)
 	var names []string
 	write := func(i int) {
 		t.Helper()
@@ -551,12 +559,7 @@ func TestCandidateIsRootsUntilChecked(t *testing.T) {
 // gone from memory too — its payload's bytes are collected once nothing
 // else holds them, not kept alive by the writer until its next write.
 func TestCollectedVersionReleased(t *testing.T) {
-	dir := t.TempDir()
-	w, err := OpenAtomicWriter(dir, WriterOptions{ManifestDir: manifestDir(t, dir), DirUID: -1, DirGID: -1, Grace: time.Hour})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
+	_, w := graceWriter(t)
 	first := make([]byte, 1<<16)
 	released := make(chan struct{})
 	runtime.AddCleanup(&first[0], func(ch chan struct{}) { close(ch) }, released)

@@ -37,15 +37,9 @@ func Require(tb testing.TB) {
 // /proc/self/mountinfo.
 func MountsAt(tb testing.TB, dir string) int {
 	tb.Helper()
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	defer f.Close()
 	n := 0
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if fields := strings.Fields(sc.Text()); len(fields) > 4 && fields[4] == dir {
+	for _, p := range mountPoints(tb) {
+		if p == dir {
 			n++
 		}
 	}
@@ -88,11 +82,24 @@ func UnmountUnder(tb testing.TB, dir string) {
 	tb.Errorf("mounts still below %s after 100 unmounts", dir)
 }
 
-// mountPointsUnder returns the mount points of /proc/self/mountinfo that
-// are dir or below it, one per mount. The kernel escapes a space, tab,
-// newline and backslash of a mount point in octal; the temporary
-// directories of tests have none.
+// mountPointsUnder returns the mount points that are dir or below it,
+// one per mount.
 func mountPointsUnder(tb testing.TB, dir string) []string {
+	tb.Helper()
+	var points []string
+	for _, p := range mountPoints(tb) {
+		if p == dir || strings.HasPrefix(p, dir+"/") {
+			points = append(points, p)
+		}
+	}
+	return points
+}
+
+// mountPoints returns the mount point of every mount of
+// /proc/self/mountinfo (its fifth field), one per mount. The kernel
+// escapes a space, tab, newline and backslash of a mount point in octal;
+// the temporary directories of tests have none.
+func mountPoints(tb testing.TB) []string {
 	tb.Helper()
 	f, err := os.Open("/proc/self/mountinfo")
 	if err != nil {
@@ -102,8 +109,7 @@ func mountPointsUnder(tb testing.TB, dir string) []string {
 	var points []string
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
-		fields := strings.Fields(sc.Text())
-		if len(fields) > 4 && (fields[4] == dir || strings.HasPrefix(fields[4], dir+"/")) {
+		if fields := strings.Fields(sc.Text()); len(fields) > 4 {
 			points = append(points, fields[4])
 		}
 	}
