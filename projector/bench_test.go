@@ -3,6 +3,7 @@ package projector
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 )
 
@@ -113,6 +114,61 @@ func BenchmarkFilesystemOps(b *testing.B) {
 			if err := os.Remove(fmt.Sprintf("%s/f%d", src, i)); err != nil {
 				b.Fatal(err)
 			}
+		}
+	})
+}
+
+// BenchmarkWriteOneKey measures the atomic writer's share of put → file
+// for the smallest mount, one key of 11 bytes changed at each write, without
+// fsync (choose the file system with TMPDIR; tmpfs is the medium the floor
+// is measured on). "floor" is what daemon/floor_bench_test.go's floor does
+// for the same update — a version directory, its one file, a symlink
+// renamed over ..data, the replaced version removed — and "writer" the
+// AtomicWriter's Write (the replaced version is retired and removed after
+// its grace, outside the timed loop's writes when the grace is longer).
+func BenchmarkWriteOneKey(b *testing.B) {
+	file := func(i int) File {
+		return File{Data: fmt.Appendf(nil, "update %04d", i%10000), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
+	}
+	b.Run("writer", func(b *testing.B) {
+		w, err := OpenAtomicWriter(b.TempDir(), WriterOptions{DirUID: -1, DirGID: -1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer w.Close()
+		i := 0
+		for b.Loop() {
+			i++
+			if _, err := w.Write(Payload{"key-00000": file(i)}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("floor", func(b *testing.B) {
+		dir := b.TempDir()
+		old := ""
+		i := 0
+		for b.Loop() {
+			i++
+			version := fmt.Sprintf("..v%d", i)
+			if err := os.Mkdir(filepath.Join(dir, version), 0o755); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, version, "key-00000"), file(i).Data, 0o644); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.Symlink(version, filepath.Join(dir, "..data_tmp")); err != nil {
+				b.Fatal(err)
+			}
+			if err := os.Rename(filepath.Join(dir, "..data_tmp"), filepath.Join(dir, "..data")); err != nil {
+				b.Fatal(err)
+			}
+			if old != "" {
+				if err := os.RemoveAll(filepath.Join(dir, old)); err != nil {
+					b.Fatal(err)
+				}
+			}
+			old = version
 		}
 	})
 }

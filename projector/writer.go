@@ -455,9 +455,17 @@ func (w *AtomicWriter) isBuilt(name string, built builtVersion) error {
 }
 
 // pointData points ..data at name through ..data_tmp and a rename.
+//
+// The mount directory's entries are reached relative to the writer's
+// handle with single names, so nothing is resolved through a symlink; the
+// calls are unlinkat(2) and renameat(2) themselves, where os.Root.Remove
+// would try rmdir after unlink failed for a missing ..data_tmp and
+// os.Root.Rename would lstat ..data first: two system calls on each
+// write's path that the kernel's own checks make needless (rename(2) of a
+// symlink over a directory fails with EISDIR).
 func (w *AtomicWriter) pointData(name string) error {
-	if err := w.root.Remove(dataTmpName); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("atomic writer: %w", err)
+	if err := w.removeDataTmp(); err != nil {
+		return err
 	}
 	if err := w.root.Symlink(name, dataTmpName); err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
@@ -471,9 +479,24 @@ func (w *AtomicWriter) pointData(name string) error {
 	if testHookBeforeRename != nil {
 		testHookBeforeRename(w.dir)
 	}
-	if err := w.root.Rename(dataTmpName, DataDirName); err != nil {
+	if err := unix.Renameat(int(w.mount.Fd()), dataTmpName, int(w.mount.Fd()), DataDirName); err != nil {
 		_ = w.root.Remove(dataTmpName)
-		return fmt.Errorf("atomic writer: %w", err)
+		return fmt.Errorf("atomic writer: %w", &os.LinkError{Op: "renameat", Old: dataTmpName, New: DataDirName, Err: err})
+	}
+	return nil
+}
+
+// removeDataTmp removes a ..data_tmp left by an earlier switch that did
+// not finish (a crash between the symlink and the rename): a symlink, or a
+// directory someone made; a missing one is no error.
+func (w *AtomicWriter) removeDataTmp() error {
+	err := unix.Unlinkat(int(w.mount.Fd()), dataTmpName, 0)
+	if errors.Is(err, unix.EISDIR) || errors.Is(err, unix.EPERM) {
+		// unlink(2) of a directory: EISDIR on Linux, EPERM by POSIX.
+		err = unix.Unlinkat(int(w.mount.Fd()), dataTmpName, unix.AT_REMOVEDIR)
+	}
+	if err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("atomic writer: %w", &fs.PathError{Op: "unlinkat", Path: dataTmpName, Err: err})
 	}
 	return nil
 }

@@ -148,7 +148,7 @@ func (w *AtomicWriter) removeVersionDir(v *version, dirs dirHandles) error {
 			break
 		}
 	}
-	if clean && w.root.Remove(v.name) == nil {
+	if clean && unix.Unlinkat(int(w.mount.Fd()), v.name, unix.AT_REMOVEDIR) == nil {
 		return nil
 	}
 	return w.removeAll(v.name)
