@@ -1,7 +1,7 @@
 // Package faultproxy is a loopback TCP proxy for tests that cuts the network
 // between kvmount and a store: Cut drops every connection and refuses new
 // ones, as a partition would, and Restore lets them through again on the
-// same address.
+// same address. Sent counts what clients wrote to the store through it.
 package faultproxy
 
 import (
@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 )
 
 // Proxy forwards connections from its own loopback address to a backend.
@@ -20,6 +21,8 @@ type Proxy struct {
 	listener net.Listener
 	conns    map[net.Conn]struct{}
 	wg       sync.WaitGroup
+	// sent counts the bytes forwarded from clients to the backend.
+	sent atomic.Int64
 }
 
 // Start listens on a free loopback port and forwards to backend
@@ -36,6 +39,22 @@ func Start(backend string) (*Proxy, error) {
 
 // Addr returns the proxy's "host:port".
 func (p *Proxy) Addr() string { return p.addr }
+
+// Sent returns how many bytes clients have written to the backend through
+// the proxy, over every connection so far.
+func (p *Proxy) Sent() int64 { return p.sent.Load() }
+
+// counted is a writer that adds what it writes to n.
+type counted struct {
+	io.Writer
+	n *atomic.Int64
+}
+
+func (c counted) Write(b []byte) (int, error) {
+	n, err := c.Writer.Write(b)
+	c.n.Add(int64(n))
+	return n, err
+}
 
 // Cut closes the listener and every open connection.
 func (p *Proxy) Cut() {
@@ -98,9 +117,9 @@ func (p *Proxy) forward(c net.Conn) {
 	p.conns[c] = struct{}{}
 	p.conns[b] = struct{}{}
 	p.mu.Unlock()
-	pipe := func(dst, src net.Conn) {
+	pipe := func(dst, src net.Conn, to io.Writer) {
 		defer p.wg.Done()
-		_, _ = io.Copy(dst, src) // ends when either side closes or Cut runs
+		_, _ = io.Copy(to, src) // ends when either side closes or Cut runs
 		dst.Close()
 		src.Close()
 		p.mu.Lock()
@@ -109,6 +128,6 @@ func (p *Proxy) forward(c net.Conn) {
 		p.mu.Unlock()
 	}
 	p.wg.Add(2)
-	go pipe(b, c)
-	go pipe(c, b)
+	go pipe(b, c, counted{b, &p.sent})
+	go pipe(c, b, c)
 }

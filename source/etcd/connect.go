@@ -45,7 +45,10 @@ func (s *Source) connect() (*clientv3.Client, *monitor, error) {
 				MaxDelay:   source.RetryMax,
 			},
 			MinConnectTimeout: s.cfg.DialTimeout,
-		})},
+		}),
+			grpc.WithInitialWindowSize(streamWindow),
+			grpc.WithInitialConnWindowSize(connWindow),
+		},
 	}
 	if s.cfg.PeerUID >= 0 {
 		cc.DialOptions = append(cc.DialOptions, grpc.WithContextDialer(peerDialer(s.cfg.PeerUID, &s.refused)))
@@ -101,3 +104,18 @@ func usesTLS(endpoints []string) bool {
 	}
 	return false
 }
+
+// streamWindow and connWindow are the HTTP/2 flow-control windows of the
+// client's connection (RFC 9113, section 5.2), per stream and for the
+// whole connection, in bytes. Set, they turn off gRPC's dynamic window:
+// its estimator of the bandwidth-delay product answers the first data
+// frame after each of its pings with a window update and a new PING
+// (grpc-go's bdpEstimator), so every watch event cost a write to etcd,
+// etcd's answer, and a wake-up of etcd and of the worker, on the path of
+// the event to the monitor. The sizes are what that estimator grows to on a
+// fast link (its maximum is 16 MiB): a page of a read, up to
+// maxRecvMsgSize, flows without a round trip per 64 KiB.
+const (
+	streamWindow = 4 << 20
+	connWindow   = 16 << 20
+)
