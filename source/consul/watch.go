@@ -3,6 +3,7 @@ package consul
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"slices"
 	"sort"
 	"strconv"
@@ -320,6 +321,12 @@ func (s *Source) query(ctx context.Context, parent string) {
 			continue
 		}
 		index = nextIndex(index, meta.LastIndex)
+		// Let the change just published go first: the populator's
+		// goroutine builds its payload and sends it on while this one
+		// would otherwise write the next blocking query — one more
+		// wake-up of the agent, and the query's write, ahead of the
+		// change on a worker with one CPU (its GOMAXPROCS).
+		runtime.Gosched()
 		if unchanged {
 			if err := idle.Wait(ctx); err != nil {
 				return
