@@ -21,7 +21,7 @@ func workerCommand(mode, domain string) *exec.Cmd {
 	cmd.Args = []string{"kvmount-worker", domain}
 	cmd.Dir = "/"
 	cmd.Env = []string{WorkerEnv + "=" + mode, "PATH=/usr/sbin:/usr/bin:/sbin:/bin"}
-	for _, name := range []string{"GORACE", "GOMAXPROCS"} {
+	for _, name := range workerRuntimeEnv {
 		if v, ok := os.LookupEnv(name); ok {
 			cmd.Env = append(cmd.Env, name+"="+v)
 		}
@@ -29,6 +29,15 @@ func workerCommand(mode, domain string) *exec.Cmd {
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	return cmd
 }
+
+// workerRuntimeEnv are the variables of the monitor's environment a worker
+// inherits: the Go runtime's own settings (the runtime package's
+// documentation), which an operator sets for kvmount as a whole — in the
+// unit's Environment=, say GOMEMLIMIT or GOGC to trade CPU for memory —
+// and which reach each worker as they are (each process its own soft
+// memory limit), and the race detector's options for tests. Nothing else
+// of the environment does.
+var workerRuntimeEnv = []string{"GOGC", "GOMEMLIMIT", "GODEBUG", "GOMAXPROCS", "GORACE"}
 
 // monitor is the privileged half's link to its workers, one per trust
 // domain (privsep.Monitor), and what the kernel lets them confine

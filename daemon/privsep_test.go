@@ -156,6 +156,28 @@ func TestWorkerProcs(t *testing.T) {
 	}
 }
 
+// TestWorkerEnvironment: a worker's environment is its mode, a PATH, and
+// the Go runtime's settings the monitor was given (GOMEMLIMIT and GOGC set
+// in the unit apply to every process of kvmount); nothing else of the
+// monitor's environment reaches it.
+func TestWorkerEnvironment(t *testing.T) {
+	t.Setenv("GOMEMLIMIT", "64MiB")
+	t.Setenv("GOGC", "50")
+	t.Setenv("KVMOUNT_TEST_SECRET", "not for the worker")
+	got := workerCommand("worker", "main").Env
+	for _, want := range []string{WorkerEnv + "=worker", "PATH=/usr/sbin:/usr/bin:/sbin:/bin", "GOMEMLIMIT=64MiB", "GOGC=50"} {
+		if !slices.Contains(got, want) {
+			t.Errorf("the worker's environment %q lacks %q", got, want)
+		}
+	}
+	for _, kv := range got {
+		name, _, _ := strings.Cut(kv, "=")
+		if name != WorkerEnv && name != "PATH" && !slices.Contains(workerRuntimeEnv, name) {
+			t.Errorf("the worker's environment holds %q", kv)
+		}
+	}
+}
+
 // TestWorkerSaysWhatItCuts: lists over the protocol's bounds reach the
 // monitor cut, with what was cut said in the last entry: sources waiting
 // past 64 as a stale entry, stale entries past it as "and N more".
