@@ -472,7 +472,7 @@ func (w *AtomicWriter) pointData(name string) error {
 	}
 	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {
 		if err := w.root.Lchown(dataTmpName, w.opts.DirUID, w.opts.DirGID); err != nil {
-			_ = w.root.Remove(dataTmpName)
+			_ = w.removeDataTmp()
 			return fmt.Errorf("atomic writer: %w", err)
 		}
 	}
@@ -480,7 +480,7 @@ func (w *AtomicWriter) pointData(name string) error {
 		testHookBeforeRename(w.dir)
 	}
 	if err := unix.Renameat(int(w.mount.Fd()), dataTmpName, int(w.mount.Fd()), DataDirName); err != nil {
-		_ = w.root.Remove(dataTmpName)
+		_ = w.removeDataTmp()
 		return fmt.Errorf("atomic writer: %w", &os.LinkError{Op: "renameat", Old: dataTmpName, New: DataDirName, Err: err})
 	}
 	return nil
@@ -491,8 +491,7 @@ func (w *AtomicWriter) pointData(name string) error {
 // directory someone made; a missing one is no error.
 func (w *AtomicWriter) removeDataTmp() error {
 	err := unix.Unlinkat(int(w.mount.Fd()), dataTmpName, 0)
-	if errors.Is(err, unix.EISDIR) || errors.Is(err, unix.EPERM) {
-		// unlink(2) of a directory: EISDIR on Linux, EPERM by POSIX.
+	if errors.Is(err, unix.EISDIR) { // unlink(2) of a directory, on Linux
 		err = unix.Unlinkat(int(w.mount.Fd()), dataTmpName, unix.AT_REMOVEDIR)
 	}
 	if err != nil && !errors.Is(err, unix.ENOENT) {
