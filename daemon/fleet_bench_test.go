@@ -63,6 +63,9 @@ const fleetIdle = 30 * time.Second
 // DIR, and KVMOUNT_FLEET_NO_LOSS=1 kills no member (to measure the rest
 // alone: in one early attempt the 3 Consul servers under 1,000 daemons,
 // whose workers then crashed in herds, elected no new leader).
+// KVMOUNT_FLEET_BIN names a kvmount binary to run instead of this tree's
+// (another commit's, run after this one's with the same settings: a fleet
+// of each at once would not fit the machine).
 func BenchmarkFleet(b *testing.B) {
 	n := 100
 	if v := os.Getenv("KVMOUNT_FLEET"); v != "" {
@@ -408,7 +411,10 @@ func benchFleet(b *testing.B, n int, store fleetStore) {
 	for i := 0; i < len(kv); i += 128 {
 		store.seed(kv[i:min(i+128, len(kv))])
 	}
-	bin := buildKvmount(b)
+	bin := os.Getenv("KVMOUNT_FLEET_BIN")
+	if bin == "" {
+		bin = buildKvmount(b)
+	}
 	base := b.TempDir()
 	if keep := os.Getenv("KVMOUNT_FLEET_KEEP"); keep != "" {
 		// The daemons' directories and logs kept after the run, to read.
