@@ -333,24 +333,24 @@ func (w *AtomicWriter) mkVersionDir() (string, *os.File, error) {
 // and without the POSIX ACL that a default ACL on the mount directory would
 // give it: what is created in it then inherits none either, so every file
 // and directory of a version carries exactly its owner and mode. It
-// returns the directory open.
+// returns the directory open; after an error nothing of it is left.
 func (w *AtomicWriter) mkdir(name string) (*os.File, error) {
 	if err := unix.Mkdirat(int(w.mount.Fd()), name, 0o700); err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", &fs.PathError{Op: "mkdirat", Path: name, Err: err})
 	}
 	d, err := w.openVersion(name)
-	if err != nil {
-		return nil, err
-	}
-	if err := fsutil.StripACL(d); err != nil {
+	if err == nil {
+		if err = fsutil.StripACL(d); err != nil {
+			err = fmt.Errorf("atomic writer: %w", err)
+		} else if err = w.chmodChownDir(d); err == nil {
+			return d, nil
+		}
 		d.Close()
-		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
-	if err := w.chmodChownDir(d); err != nil {
-		d.Close()
-		return nil, err
-	}
-	return d, nil
+	// Still empty: it goes, rather than waiting for the next start's
+	// removal of leftovers.
+	_ = unix.Unlinkat(int(w.mount.Fd()), name, unix.AT_REMOVEDIR)
+	return nil, err
 }
 
 // writeFileAt creates base in dir exclusively and without following a
