@@ -82,12 +82,14 @@ type daemon struct {
 	owned    *reconcile.Owned
 	notifier *notify.Notifier // nil in Once
 	admin    *admin.Server    // nil in Once
+	heap     *heapRelease     // nil in Once
 	service  *service
 	monitor  *monitor // nil with Options.InProcess
 }
 
 // load reads the configuration and wires the parts; nothing runs yet.
-// With svc set (Run), it adds the notifier and the admin endpoint,
+// With svc set (Run), it adds the notifier, the release of the heap after
+// bursts of writes (heapRelease) and the admin endpoint,
 // which listens in the background once Run starts it: a port someone else
 // holds is reported and retried, and never keeps a mount from projecting.
 func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, error) {
@@ -132,6 +134,8 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.notifier = notify.New(nopts)
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
+		d.heap = newHeapRelease()
+		observers = append(observers, d.heap)
 	}
 	trigger := reconcile.NewTrigger()
 	var desired reconcile.Desired
@@ -271,6 +275,9 @@ func (d *daemon) close() {
 	}
 	if d.notifier != nil {
 		d.notifier.Close()
+	}
+	if d.heap != nil {
+		d.heap.stop()
 	}
 	if d.owned != nil {
 		d.owned.Close()
