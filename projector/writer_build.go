@@ -163,7 +163,7 @@ func (h dirHandles) open(dir string) *os.File {
 	if parent == nil {
 		return nil
 	}
-	fd, err := unix.Openat(int(parent.Fd()), path.Base(dir), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := openEntryDir(parent, path.Base(dir))
 	var d *os.File
 	if err == nil {
 		d = os.NewFile(uintptr(fd), dir)
@@ -235,9 +235,9 @@ func (w *AtomicWriter) mkdirAt(parent *os.File, base string) (*os.File, error) {
 	if err := unix.Mkdirat(int(parent.Fd()), base, 0o700); err != nil {
 		return nil, fmt.Errorf("atomic writer: mkdir %s: %w", base, err)
 	}
-	fd, err := unix.Openat(int(parent.Fd()), base, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	fd, err := openEntryDir(parent, base)
 	if err != nil {
-		return nil, fmt.Errorf("atomic writer: open %s: %w", base, err)
+		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
 	d := os.NewFile(uintptr(fd), base)
 	if err := w.chmodChownDir(d); err != nil {
@@ -347,9 +347,9 @@ func (w *AtomicWriter) mkdir(name string) (*os.File, error) {
 		}
 		d.Close()
 	}
-	// Still empty: it goes, rather than waiting for the next start's
-	// removal of leftovers.
-	_ = unix.Unlinkat(int(w.mount.Fd()), name, unix.AT_REMOVEDIR)
+	// It goes now, rather than at the next start's removal of leftovers,
+	// with the rights removals in the mount take (removeTree).
+	_ = w.removeTree(w.mount, name, true)
 	return nil, err
 }
 
