@@ -206,11 +206,33 @@ func openManifest(dir *os.File, name string) (*os.File, error) {
 
 // writeManifest writes m into the manifest directory dir as name, readable
 // by kvmount's user only, created exclusively without following a symlink,
-// and fsyncs it when sync is set.
+// fsyncs it when sync is set, and closes it.
 func writeManifest(dir *os.File, name string, m *manifest, sync bool) (err error) {
+	fh, err := createManifest(dir, name, m)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if cerr := fh.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("atomic writer: %w", cerr)
+		}
+	}()
+	if sync {
+		if err := fh.Sync(); err != nil {
+			return fmt.Errorf("atomic writer: %w", err)
+		}
+	}
+	return nil
+}
+
+// createManifest writes m into the manifest directory dir as name, as
+// writeManifest does, and returns the file open and not yet fsynced: the
+// caller fsyncs it together with the version's files (syncBatch) and
+// closes it. A file it created is closed, but not removed, on an error.
+func createManifest(dir *os.File, name string, m *manifest) (*os.File, error) {
 	data, err := json.Marshal(m)
 	if err != nil {
-		return fmt.Errorf("atomic writer: manifest: %w", err)
+		return nil, fmt.Errorf("atomic writer: manifest: %w", err)
 	}
 	data = append(data, '\n')
 	if testHookManifest != nil {
@@ -218,32 +240,24 @@ func writeManifest(dir *os.File, name string, m *manifest, sync bool) (err error
 	}
 	fd, err := unix.Openat(int(dir.Fd()), name, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
 	if err != nil {
-		return fmt.Errorf("atomic writer: create %s: %w", name, err)
+		return nil, fmt.Errorf("atomic writer: create %s: %w", name, err)
 	}
 	fh := os.NewFile(uintptr(fd), name)
-	defer func() {
-		if cerr := fh.Close(); cerr != nil && err == nil {
-			err = fmt.Errorf("atomic writer: %w", cerr)
-		}
-	}()
 	if testHookManifestWrite != nil {
 		// A crash test's kill lands between the halves.
 		half := len(data) / 2
 		if _, err := fh.Write(data[:half]); err != nil {
-			return fmt.Errorf("atomic writer: %w", err)
+			fh.Close()
+			return nil, fmt.Errorf("atomic writer: %w", err)
 		}
 		testHookManifestWrite()
 		data = data[half:]
 	}
 	if _, err := fh.Write(data); err != nil {
-		return fmt.Errorf("atomic writer: %w", err)
+		fh.Close()
+		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
-	if sync {
-		if err := fh.Sync(); err != nil {
-			return fmt.Errorf("atomic writer: %w", err)
-		}
-	}
-	return nil
+	return fh, nil
 }
 
 // Test hooks, set by tests and by crash-test binaries: testHookManifest

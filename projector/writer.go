@@ -118,8 +118,9 @@ type WriterOptions struct {
 //     a crash left missing (kubernetes#121472).
 //  3. Create a new version directory ..<UTC time>.<random>; write files that
 //     changed with exclusive create (never through a symlink), chmod and chown
-//     the open file, fsync it when Sync is set; hard-link unchanged files
-//     from the current version. fsync the new directories.
+//     the open file; hard-link unchanged files from the current version.
+//     When Sync is set, fsync the new files, the new directories, the
+//     manifest and the mount directory, together (syncBatch).
 //  4. Create the visible symlinks of new first path elements; they dangle
 //     until the switch. (The kubelet creates them after the switch, so a
 //     crash in between leaves names of the current version invisible.)
@@ -440,7 +441,9 @@ func (w *AtomicWriter) switchTo(name string, built builtVersion) (switched bool,
 		return false, err
 	}
 	if w.opts.Sync {
-		return true, w.syncDir(".")
+		if err := syncFile(w.mount); err != nil {
+			return true, fmt.Errorf("atomic writer: fsync %s: %w", w.dir, err)
+		}
 	}
 	return true, nil
 }
@@ -503,19 +506,6 @@ func (w *AtomicWriter) removeDataTmp() error {
 // testHookBeforeRename, when set by a test, runs between creating
 // ..data_tmp and renaming it over ..data.
 var testHookBeforeRename func(dir string)
-
-// syncDir fsyncs the directory name, making its entries durable.
-func (w *AtomicWriter) syncDir(name string) error {
-	d, err := w.root.Open(name)
-	if err != nil {
-		return fmt.Errorf("atomic writer: %w", err)
-	}
-	defer d.Close()
-	if err := syncFile(d); err != nil {
-		return fmt.Errorf("atomic writer: fsync %s: %w", name, err)
-	}
-	return nil
-}
 
 // syncFile fsyncs an open directory; a test replaces it to inject errors.
 var syncFile = (*os.File).Sync

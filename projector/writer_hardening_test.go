@@ -94,12 +94,12 @@ func TestFsyncErrorAfterSwitchKeepsTheVersion(t *testing.T) {
 	if _, err := w.Write(Payload{"a": file("1", 0o644)}); err != nil {
 		t.Fatal(err)
 	}
-	calls := 0
+	var calls atomic.Int32
 	syncFile = func(f *os.File) error {
-		calls++
-		// The build syncs the manifest directory and the mount
-		// directory once each, the switch the mount directory once more.
-		if calls == 3 {
+		// The build syncs the manifest directory, the version directory
+		// and the mount directory once each, together; the switch the
+		// mount directory once more, after them.
+		if calls.Add(1) == 4 {
 			return syscall.EIO
 		}
 		return f.Sync()
