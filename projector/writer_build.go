@@ -408,11 +408,12 @@ func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File, syncs *syn
 // syncBatchSize at a time, concurrently, and closes the files. Issued one
 // after the other, each fsync waits for a journal commit (or, on ext4
 // without a journal, a write of the inode's block) of its own; issued
-// together, they share them. Measured on this project's ext4 for a one-file
-// version with its manifest: the six fsyncs of an update one after the
-// other took 0.72–0.76 ms, the five before the switch issued together and
-// the switch's own after them 0.57–0.59 ms (BENCHMARKS.md). The batch
-// bounds the open files, and the threads blocked in fsync.
+// together, they share them: a one-key write on ext4
+// (BenchmarkWriteOneKey/writer-synced) took 1.11–1.39 ms with the
+// manifest and the directories fsynced one after the other, after the
+// files, and 0.98–1.16 ms with all of them in one batch (BENCHMARKS.md,
+// "Put → file on disk"). The batch bounds the open files, and the threads
+// blocked in fsync.
 type syncBatch struct {
 	// files are fsynced and closed; dirs are fsynced only: their owner
 	// holds them open.
