@@ -779,7 +779,8 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     and gives back what lies beyond the heap's goal in the background);
 //   - pss-anon-monitor-worker-killed-MiB: the same after the restart,
 //     once its worker was killed (SIGKILL) and the next one sent every
-//     mount's payload again, equal to the ones it holds;
+//     mount's payload again, equal to the ones it holds, taken 13 s
+//     later (8 s before 2026-11-27's third session);
 //
 // and fails if the restart or the worker's end rewrote an unchanged
 // mount.
@@ -1043,7 +1044,9 @@ func scale100kKeys(b *testing.B, bin string) {
 			b.Fatal("the write after the worker's end never arrived")
 		}
 	}
-	time.Sleep(8 * time.Second)
+	// At rest: past the quiet that ends a burst (burstQuiet), after which
+	// the monitor gives its free heap back.
+	time.Sleep(burstQuiet + 3*time.Second)
 	monitorAnonAfter, _, _ := memoryParts(b, cmd.Process.Pid)
 	stop(cmd)
 	b.StopTimer()

@@ -60,6 +60,10 @@ type Options struct {
 	// workerMode is the value of WorkerEnv the worker starts with:
 	// "worker" when empty; a test's fake worker else (TestMain).
 	workerMode string
+	// heapQuiet replaces burstQuiet, the quiet that ends a burst of
+	// writes before the heap is given back (heapRelease), when not zero:
+	// for tests.
+	heapQuiet time.Duration
 }
 
 // instance is one opened source and the configuration it was opened with.
@@ -134,7 +138,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.notifier = notify.New(nopts)
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
-		d.heap = newHeapRelease()
+		d.heap = newHeapRelease(d.log, opts.heapQuiet)
 		observers = append(observers, d.heap)
 	}
 	trigger := reconcile.NewTrigger()
@@ -154,7 +158,11 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		}
 		desired = d.pop
 	} else {
-		if d.monitor, err = newMonitor(d.log, cfg, rec, opts); err != nil {
+		var onPayload func()
+		if d.heap != nil {
+			onPayload = d.heap.Took
+		}
+		if d.monitor, err = newMonitor(d.log, cfg, rec, opts, onPayload); err != nil {
 			d.close()
 			return nil, err
 		}

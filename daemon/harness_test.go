@@ -51,6 +51,8 @@ type harness struct {
 	admin string
 	// workerMode is Options.workerMode: "" for the daemon's worker.
 	workerMode string
+	// heapQuiet is Options.heapQuiet: zero for burstQuiet.
+	heapQuiet time.Duration
 	// settings are further top-level settings of the configuration, a
 	// line each, such as max_total_size.
 	settings string
@@ -144,6 +146,7 @@ func (h *harness) options() Options {
 		Registry:   testRegistry(),
 		LogOutput:  h.logs,
 		workerMode: h.workerMode,
+		heapQuiet:  h.heapQuiet,
 	}
 }
 

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"log/slog"
 	"runtime/debug"
 	"sync"
 	"time"
@@ -14,25 +15,30 @@ import (
 // payloads in flight. Measured at 1,000 mounts of 100 keys, every mount
 // changed once: the monitor's anonymous memory went from 46–49 MiB to
 // 81–83 MiB, and was still 58–67 MiB three minutes later (BENCHMARKS.md).
+// A worker started again sends every mount's payload anew, which switches
+// nothing: the monitor held 66–68 MiB after it, against 46–48 at rest.
 // As after the cold start (service.Observe), the daemon gives it back
 // once such a burst is over.
 const (
-	// burstWrites is how many switches to a new version, since the last
-	// release, make a burst worth a release: a full collection costs a
-	// few milliseconds of CPU, which a handful of writes does not repay.
+	// burstWrites is how many switches to a new version and payloads
+	// taken from a worker, together, since the last release, make a
+	// burst worth a release: a full collection costs a few milliseconds
+	// of CPU, which a handful of writes does not repay. An update is a
+	// payload and a switch.
 	burstWrites = 64
-	// burstQuiet is how long without a switch ends a burst: the default
-	// keep_replaced, after which the burst's replaced versions are gone,
-	// and a little more.
+	// burstQuiet is how long without a switch or a payload ends a
+	// burst: the default keep_replaced, after which the burst's
+	// replaced versions are gone, and a little more.
 	burstQuiet = config.DefaultKeepReplaced + 5*time.Second
 )
 
 // heapRelease is an observer that returns the free heap memory to the
-// system (debug.FreeOSMemory) once burstWrites switches have happened
-// since the last release and none for burstQuiet. A mount with a longer
-// keep_replaced frees its replaced versions later; what they held the
-// runtime's scavenger returns in time.
+// system (debug.FreeOSMemory) once burstWrites switches and payloads
+// taken (Took) have happened since the last release and none for
+// burstQuiet. A mount with a longer keep_replaced frees its replaced
+// versions later; what they held the runtime's scavenger returns in time.
 type heapRelease struct {
+	log     *slog.Logger
 	quiet   time.Duration
 	release func()
 
@@ -41,17 +47,31 @@ type heapRelease struct {
 	timer   *time.Timer
 }
 
-func newHeapRelease() *heapRelease {
-	return &heapRelease{quiet: burstQuiet, release: debug.FreeOSMemory}
+// newHeapRelease returns a heapRelease that logs each release to log, at
+// the debug level; quiet replaces burstQuiet when not zero (tests).
+func newHeapRelease(log *slog.Logger, quiet time.Duration) *heapRelease {
+	if quiet == 0 {
+		quiet = burstQuiet
+	}
+	return &heapRelease{log: log, quiet: quiet, release: debug.FreeOSMemory}
 }
 
-// Observe counts switches, and (re)arms the release once they make a
-// burst.
+// Observe counts switches, and (re)arms the release once they and the
+// payloads taken make a burst.
 func (h *heapRelease) Observe(ev reconcile.Event) {
 	p, ok := ev.(reconcile.ProjectedEvent)
 	if !ok || p.Change.Empty() {
 		return
 	}
+	h.count()
+}
+
+// Took counts a payload taken from a worker (privsep.MonitorOptions.OnPayload),
+// and (re)arms the release once they and the switches make a burst. It
+// does not block.
+func (h *heapRelease) Took() { h.count() }
+
+func (h *heapRelease) count() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.written++
@@ -68,11 +88,14 @@ func (h *heapRelease) Observe(ev reconcile.Event) {
 // raced the timer's end).
 func (h *heapRelease) fire() {
 	h.mu.Lock()
-	burst := h.written >= burstWrites
+	n := h.written
 	h.written = 0
 	h.mu.Unlock()
-	if burst {
+	if n >= burstWrites {
 		h.release()
+		if h.log != nil {
+			h.log.Debug("returned the free heap memory to the system after a burst", "switches_and_payloads", n)
+		}
 	}
 }
 

@@ -1,7 +1,11 @@
 package daemon
 
 import (
+	"fmt"
+	"strconv"
+	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -59,4 +63,51 @@ func TestHeapReleaseAfterBursts(t *testing.T) {
 	if n := released.Load(); n != 1 {
 		t.Fatalf("released %d times; want 1 (half a burst since)", n)
 	}
+
+	// Payloads taken from a worker count as switches do: a burst of
+	// them, as a worker started again sends, is released too.
+	for range burstWrites {
+		h.Took()
+	}
+	for deadline := time.Now().Add(10 * time.Second); released.Load() == 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the heap was never released after a burst of payloads")
+		}
+	}
+}
+
+// TestHeapReleasedAfterWorkerResend runs the daemon with a real worker and
+// more mounts than a burst: after the cold start's burst, a worker killed
+// and started again sends every mount's payload anew, equal to the one
+// projected — no switch — and the monitor gives the heap back after that
+// burst too.
+func TestHeapReleasedAfterWorkerResend(t *testing.T) {
+	h := newHarness(t)
+	h.heapQuiet = time.Second
+	var mounts strings.Builder
+	for i := range burstWrites + 6 {
+		h.put(fmt.Sprintf("/apps/m%02d/app.conf", i), "v1")
+		mounts.WriteString(h.mount(fmt.Sprintf("m%02d", i), fmt.Sprintf("/apps/m%02d/", i)))
+	}
+	h.writeConfig(mounts.String())
+	h.start()
+	last := h.path("mnt", fmt.Sprintf("m%02d", burstWrites+5))
+	h.waitContent(last, map[string]string{"app.conf": "v1"})
+	const released = "returned the free heap memory to the system after a burst"
+	h.waitLog(released)
+	time.Sleep(2 * h.heapQuiet)
+	if n := h.logs.Count(released); n != 1 {
+		t.Fatalf("%d releases after the cold start; want 1", n)
+	}
+	pid, _ := strconv.Atoi(workerPID(t, h, 1))
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	workerPID(t, h, 2)
+	for deadline := time.Now().Add(waitTimeout); h.logs.Count(released) < 2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the heap was not released after the new worker's payloads")
+		}
+	}
+	h.waitContent(last, map[string]string{"app.conf": "v1"})
 }

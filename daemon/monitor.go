@@ -50,7 +50,9 @@ type monitor struct {
 // newMonitor returns the monitor of cfg, whose files rec read, with the
 // workers opts say (Options.WorkerGroup), each as a user of its own
 // (dynamicUsers); they start when it runs. Close gives their users back.
-func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts Options) (*monitor, error) {
+// onPayload, if not nil, is called after each payload taken from a worker
+// (privsep.MonitorOptions.OnPayload).
+func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts Options, onPayload func()) (*monitor, error) {
 	users, err := newDynamicUsers(opts.WorkerGroup)
 	if err != nil {
 		return nil, err
@@ -61,7 +63,8 @@ func newMonitor(log *slog.Logger, cfg *config.Config, rec *config.Recorder, opts
 	}
 	m := &monitor{offered: privsep.Offered(), Monitor: privsep.NewMonitor(privsep.MonitorOptions{
 		Log: log, Identities: users.take, Kinds: opts.Registry.Decoders(),
-		Command: func(domain string) *exec.Cmd { return workerCommand(mode, domain) },
+		Command:   func(domain string) *exec.Cmd { return workerCommand(mode, domain) },
+		OnPayload: onPayload,
 	})}
 	if err := m.Remote().SetMounts(cfg.Mounts); err != nil {
 		return nil, err

@@ -56,7 +56,7 @@ func Render(ctx context.Context, opts Options, mount string, timeout time.Durati
 		desired = pop
 	} else {
 		// The worker of spec's domain alone.
-		m, err := newMonitor(log, narrowTo(cfg, spec), rec, opts)
+		m, err := newMonitor(log, narrowTo(cfg, spec), rec, opts, nil)
 		if err != nil {
 			return nil, err
 		}

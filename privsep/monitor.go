@@ -40,6 +40,10 @@ type MonitorOptions struct {
 	// Kinds are the source kinds' decoders: the monitor parses each
 	// domain's excerpt of the configuration as its worker will.
 	Kinds map[string]config.SourceDecoder
+	// OnPayload, if set, is called after each payload a worker sent has
+	// been taken (Remote.HandlePayload), on the goroutine that reads that
+	// worker: it must not block.
+	OnPayload func()
 }
 
 // Monitor is the monitor's side of the seam: one worker per trust domain
@@ -320,7 +324,12 @@ func (m *Monitor) newWorker(p planned, id identity) *domainWorker {
 		},
 		Identity:  id.Identity,
 		Log:       log,
-		OnPayload: func(pl *Payload) { m.remote.HandlePayload(p.domain.Name, pl) },
+		OnPayload: func(pl *Payload) {
+			m.remote.HandlePayload(p.domain.Name, pl)
+			if m.opts.OnPayload != nil {
+				m.opts.OnPayload()
+			}
+		},
 		OnMessage: w.serve,
 		OnIdle:    m.remote.Idle,
 		OnEnd:     w.ended,
