@@ -773,9 +773,11 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     rest after every mount was updated once, one after another (one
 //     key each), before the restart; pss-anon-monitor-MiB is the same
 //     after the cold start;
-//   - pss-anon-monitor-settled-MiB, with KVMOUNT_BENCH_SETTLE set to a
-//     duration: the same as pss-anon-monitor-updated-MiB once that much
-//     longer at rest (the Go runtime forces a collection every 2 minutes
+//   - pss-anon-worker-updated-MiB: the same of the worker;
+//   - pss-anon-monitor-settled-MiB and pss-anon-worker-settled-MiB, with
+//     KVMOUNT_BENCH_SETTLE set to a duration: the same as
+//     pss-anon-monitor-updated-MiB and pss-anon-worker-updated-MiB once
+//     that much longer at rest (the Go runtime forces a collection every 2 minutes
 //     and gives back what lies beyond the heap's goal in the background);
 //   - pss-anon-monitor-worker-killed-MiB: the same after the restart,
 //     once its worker was killed (SIGKILL) and the next one sent every
@@ -987,11 +989,11 @@ func scale100kKeys(b *testing.B, bin string) {
 		time.Sleep(20 * time.Millisecond)
 	}
 	time.Sleep(8 * time.Second)
-	monitorAnonUpdated, _, _ := memoryParts(b, cmd.Process.Pid)
-	settled := int64(-1)
+	monitorAnonUpdated, workerAnonUpdated, _ := memoryParts(b, cmd.Process.Pid)
+	settled, workerSettled := int64(-1), int64(-1)
 	if d, err := time.ParseDuration(os.Getenv("KVMOUNT_BENCH_SETTLE")); err == nil && d > 0 {
 		time.Sleep(d)
-		settled, _, _ = memoryParts(b, cmd.Process.Pid)
+		settled, workerSettled, _ = memoryParts(b, cmd.Process.Pid)
 	}
 	stop(cmd)
 	unchanged := filepath.Join(base, "mnt", "m0001", "..data")
@@ -1068,8 +1070,10 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(float64(workerRSS)/(1<<20), "rss-worker-MiB")
 	b.ReportMetric(float64(monitorAnon)/(1<<20), "pss-anon-monitor-MiB")
 	b.ReportMetric(float64(monitorAnonUpdated)/(1<<20), "pss-anon-monitor-updated-MiB")
+	b.ReportMetric(float64(workerAnonUpdated)/(1<<20), "pss-anon-worker-updated-MiB")
 	if settled >= 0 {
 		b.ReportMetric(float64(settled)/(1<<20), "pss-anon-monitor-settled-MiB")
+		b.ReportMetric(float64(workerSettled)/(1<<20), "pss-anon-worker-settled-MiB")
 	}
 	b.ReportMetric(float64(monitorAnonAfter)/(1<<20), "pss-anon-monitor-worker-killed-MiB")
 	b.ReportMetric(float64(workerAnon)/(1<<20), "pss-anon-worker-MiB")

@@ -160,7 +160,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 	} else {
 		var onPayload func()
 		if d.heap != nil {
-			onPayload = d.heap.Took
+			onPayload = d.heap.Payload
 		}
 		if d.monitor, err = newMonitor(d.log, cfg, rec, opts, onPayload); err != nil {
 			d.close()

@@ -34,7 +34,7 @@ const (
 
 // heapRelease is an observer that returns the free heap memory to the
 // system (debug.FreeOSMemory) once burstWrites switches and payloads
-// taken (Took) have happened since the last release and none for
+// taken or sent (Payload) have happened since the last release and none for
 // burstQuiet. A mount with a longer keep_replaced frees its replaced
 // versions later; what they held the runtime's scavenger returns in time.
 type heapRelease struct {
@@ -66,10 +66,11 @@ func (h *heapRelease) Observe(ev reconcile.Event) {
 	h.count()
 }
 
-// Took counts a payload taken from a worker (privsep.MonitorOptions.OnPayload),
+// Payload counts a payload taken from a worker, in the monitor
+// (privsep.MonitorOptions.OnPayload), or sent to the monitor, in a worker,
 // and (re)arms the release once they and the switches make a burst. It
 // does not block.
-func (h *heapRelease) Took() { h.count() }
+func (h *heapRelease) Payload() { h.count() }
 
 func (h *heapRelease) count() {
 	h.mu.Lock()

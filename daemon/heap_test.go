@@ -67,7 +67,7 @@ func TestHeapReleaseAfterBursts(t *testing.T) {
 	// Payloads taken from a worker count as switches do: a burst of
 	// them, as a worker started again sends, is released too.
 	for range burstWrites {
-		h.Took()
+		h.Payload()
 	}
 	for deadline := time.Now().Add(10 * time.Second); released.Load() == 1; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -80,10 +80,10 @@ func TestHeapReleaseAfterBursts(t *testing.T) {
 // more mounts than a burst: after the cold start's burst, a worker killed
 // and started again sends every mount's payload anew, equal to the one
 // projected — no switch — and the monitor gives the heap back after that
-// burst too.
+// burst too; so does the new worker, after the burst it sent.
 func TestHeapReleasedAfterWorkerResend(t *testing.T) {
 	h := newHarness(t)
-	h.heapQuiet = time.Second
+	h.heapQuiet = time.Second // the monitor's; the worker's is burstQuiet
 	var mounts strings.Builder
 	for i := range burstWrites + 6 {
 		h.put(fmt.Sprintf("/apps/m%02d/app.conf", i), "v1")
@@ -94,20 +94,31 @@ func TestHeapReleasedAfterWorkerResend(t *testing.T) {
 	last := h.path("mnt", fmt.Sprintf("m%02d", burstWrites+5))
 	h.waitContent(last, map[string]string{"app.conf": "v1"})
 	const released = "returned the free heap memory to the system after a burst"
+	byMonitor := func() int { return h.logs.Count(released) - h.logs.Count(released, "from=worker") }
 	h.waitLog(released)
 	time.Sleep(2 * h.heapQuiet)
-	if n := h.logs.Count(released); n != 1 {
-		t.Fatalf("%d releases after the cold start; want 1", n)
+	if n := byMonitor(); n != 1 {
+		t.Fatalf("%d releases by the monitor after the cold start; want 1", n)
 	}
 	pid, _ := strconv.Atoi(workerPID(t, h, 1))
 	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
 		t.Fatal(err)
 	}
-	workerPID(t, h, 2)
-	for deadline := time.Now().Add(waitTimeout); h.logs.Count(released) < 2; time.Sleep(10 * time.Millisecond) {
+	if n := h.logs.Count(released, "from=worker"); n != 0 {
+		t.Fatalf("the first worker released its heap %d times within burstQuiet of its payloads", n)
+	}
+	second := workerPID(t, h, 2)
+	for deadline := time.Now().Add(waitTimeout); byMonitor() < 2; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("the heap was not released after the new worker's payloads")
+			t.Fatal("the monitor did not release its heap after the new worker's payloads")
 		}
 	}
 	h.waitContent(last, map[string]string{"app.conf": "v1"})
+	// The new worker's own release, burstQuiet after its payloads (the
+	// first was killed before its own).
+	for deadline := time.Now().Add(burstQuiet + waitTimeout); h.logs.Count(released, "from=worker") == 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("worker %s did not release its heap after sending its payloads", second)
+		}
+	}
 }

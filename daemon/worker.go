@@ -82,6 +82,9 @@ type worker struct {
 	sentTotal int64
 	// settled is set once every mount had a payload or an error.
 	settled bool
+	// heap gives the heap back after a burst of payloads sent, as the
+	// monitor does after its bursts (heapRelease).
+	heap *heapRelease
 	// confined is set once the worker is confined: before, it delivers
 	// no webhook.
 	confined atomic.Bool
@@ -120,6 +123,8 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 		webhooks: &http.Client{},
 	}
 	w.log = slog.New(w.link.Handler(w.level))
+	w.heap = newHeapRelease(w.log, 0)
+	defer w.heap.stop()
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
 	go func() {
@@ -298,6 +303,7 @@ func (w *worker) publish() error {
 				if err := w.link.QueuePayload(st, d.Payload); err != nil {
 					return err
 				}
+				w.heap.Payload()
 				// The monitor holds it now; the worker builds the next
 				// one from the snapshots, not from this.
 				w.pop.ReleasePayload(name)
