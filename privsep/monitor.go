@@ -322,8 +322,8 @@ func (m *Monitor) newWorker(p planned, id identity) *domainWorker {
 			cmd.Stdout, cmd.Stderr = out, out
 			return cmd
 		},
-		Identity:  id.Identity,
-		Log:       log,
+		Identity: id.Identity,
+		Log:      log,
 		OnPayload: func(pl *Payload) {
 			m.remote.HandlePayload(p.domain.Name, pl)
 			if m.opts.OnPayload != nil {
