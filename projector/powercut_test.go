@@ -6,7 +6,6 @@ import (
 	"io/fs"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"testing"
@@ -15,15 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvmount/kvmount/internal/roottest"
-)
-
-// ext4IOCShutdown is EXT4_IOC_SHUTDOWN (_IOR('X', 125, __u32), the same
-// number as XFS_IOC_GOINGDOWN), and ext4GoingNoLogFlush its flag that shuts
-// the file system down without committing its journal: what no fsync made
-// durable is lost, as in a power cut (linux/fs/ext4/ioctl.c).
-const (
-	ext4IOCShutdown     = 0x8004587d
-	ext4GoingNoLogFlush = 2
 )
 
 // powerCutPayload is the payload of generation g: a file naming g, which
@@ -52,21 +42,14 @@ func powerCutPayload(g int) Payload {
 // writer reported written survives the cut. It fails with WriterOptions.Sync
 // off.
 func TestPowerCut(t *testing.T) {
-	roottest.Require(t)
-	roottest.Tools(t, map[string]string{"mkfs.ext4": "e2fsprogs", "losetup": "mount"})
-	base := t.TempDir()
-	img, mnt := filepath.Join(base, "ext4.img"), filepath.Join(base, "mnt")
-	powerCutCommand(t, "truncate", "-s", "64M", img)
-	powerCutCommand(t, "mkfs.ext4", "-q", "-F", img)
-	if err := os.Mkdir(mnt, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	roottest.UnmountAtEnd(t, mnt)
-	dir := filepath.Join(mnt, "mount")
+	disk := roottest.NewPowerCutFS(t, "64M")
+	dir := filepath.Join(disk.Dir, "mount")
 	manifests := dir + ".manifests" // where checkMount looks
 	acked, attempted, cuts, inFlight := -1, -1, 0, 0
 	for round := range 30 {
-		powerCutCommand(t, "mount", "-o", "loop", img, mnt)
+		if round > 0 {
+			disk.Mount()
+		}
 		for _, d := range []string{dir, manifests} {
 			if err := os.MkdirAll(d, 0o700); err != nil {
 				t.Fatal(err)
@@ -96,7 +79,7 @@ func TestPowerCut(t *testing.T) {
 		cut := make(chan error, 1)
 		go func() {
 			time.Sleep(time.Duration(2+rand.IntN(25)) * time.Millisecond)
-			cut <- powerCut(mnt)
+			cut <- disk.CutPower()
 		}()
 		for {
 			attempted++
@@ -113,7 +96,7 @@ func TestPowerCut(t *testing.T) {
 		}
 		cuts++
 		_ = w.Close()
-		powerCutCommand(t, "umount", mnt)
+		disk.Unmount()
 	}
 	t.Logf("%d cuts; last generation written %d; %d times the write in flight survived", cuts, acked, inFlight)
 }
@@ -136,25 +119,4 @@ func powerCutGeneration(t *testing.T, dir string) int {
 		t.Fatalf("after the cut, gen holds %q", data)
 	}
 	return g
-}
-
-// powerCut shuts the file system mounted at mnt down without committing
-// its journal.
-func powerCut(mnt string) error {
-	fd, err := unix.Open(mnt, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	defer unix.Close(fd)
-	if err := unix.IoctlSetPointerInt(fd, ext4IOCShutdown, ext4GoingNoLogFlush); err != nil {
-		return fmt.Errorf("EXT4_IOC_SHUTDOWN: %w", err)
-	}
-	return nil
-}
-
-func powerCutCommand(t *testing.T, name string, args ...string) {
-	t.Helper()
-	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
-		t.Fatalf("%s %v: %v\n%s", name, args, err, out)
-	}
 }

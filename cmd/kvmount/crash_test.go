@@ -154,50 +154,13 @@ func killed(dir string) (inWrite, atSwitch bool) {
 func TestCrashConsistency(t *testing.T) {
 	const kills = 200
 	e := newEnv(t)
-	txn := func(value string) error {
-		ops := make([]clientv3.Op, crashKeys)
-		for i := range ops {
-			ops[i] = clientv3.OpPut(fmt.Sprintf("/app/k%02d", i), value)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
-		defer cancel()
-		_, err := e.cli.Txn(ctx).Then(ops...).Commit()
-		return err
-	}
-	if err := txn("v0"); err != nil {
+	if err := crashTxn(e, "v0"); err != nil {
 		t.Fatal(err)
 	}
 	e.writeConfig("app")
 	dir := e.dir("app")
-
-	// The stream of transactions, until stopped.
-	var mu sync.Mutex
-	last := 0
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for i := 1; ; i++ {
-			select {
-			case <-stop:
-				return
-			case <-time.After(time.Duration(rand.IntN(8)) * time.Millisecond):
-			}
-			if err := txn(fmt.Sprintf("v%d", i)); err != nil {
-				t.Errorf("txn %d: %v", i, err)
-				return
-			}
-			mu.Lock()
-			last = i
-			mu.Unlock()
-		}
-	}()
-	stopStream := sync.OnceFunc(func() {
-		close(stop)
-		wg.Wait()
-	})
-	defer stopStream()
+	stream := startCrashStream(t, e)
+	defer stream.stop()
 
 	deadline := time.Now().Add(10 * time.Minute)
 	var before []string // leftovers of the previous kill
@@ -207,9 +170,7 @@ func TestCrashConsistency(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("only %d kills in the time allowed", kill)
 		}
-		mu.Lock()
-		committed := last // made before this start: the daemon must catch up
-		mu.Unlock()
+		committed := stream.last() // made before this start: the daemon must catch up
 		aim, aimManifest := kill%5 == 4, kill%5 == 2
 		var environ []string
 		switch {
@@ -310,10 +271,8 @@ func TestCrashConsistency(t *testing.T) {
 	if interrupted < kills/4 || atSwitch < kills/5 || advanced < kills/4 {
 		t.Errorf("the kills did not exercise writes: %d interrupted (want ≥ %d), %d at the switch (want ≥ %d), %d advanced (want ≥ %d)", interrupted, kills/4, atSwitch, kills/5, advanced, kills/4)
 	}
-	stopStream()
-	mu.Lock()
-	final := fmt.Sprintf("v%d", last)
-	mu.Unlock()
+	stream.stop()
+	final := fmt.Sprintf("v%d", stream.last())
 
 	cmd, logs := e.start("run")
 	for wait := time.Now().Add(waitTimeout); ; {
@@ -333,6 +292,68 @@ func TestCrashConsistency(t *testing.T) {
 	}
 	checkComplete(t, dir, true)
 }
+
+// crashTxn commits one transaction that sets every one of the crashKeys
+// keys under /app/ to value.
+func crashTxn(e *env, value string) error {
+	ops := make([]clientv3.Op, crashKeys)
+	for i := range ops {
+		ops[i] = clientv3.OpPut(fmt.Sprintf("/app/k%02d", i), value)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
+	defer cancel()
+	_, err := e.cli.Txn(ctx).Then(ops...).Commit()
+	return err
+}
+
+// crashStream commits transactions (crashTxn) of "v1", "v2", ... one
+// every 0–8 ms, from a goroutine of its own, until stopped.
+type crashStream struct {
+	mu      sync.Mutex
+	n       int
+	done    chan struct{}
+	wg      sync.WaitGroup
+	stopped func()
+}
+
+// startCrashStream starts a crashStream; a failed transaction fails t.
+func startCrashStream(t *testing.T, e *env) *crashStream {
+	s := &crashStream{done: make(chan struct{})}
+	s.stopped = sync.OnceFunc(func() {
+		close(s.done)
+		s.wg.Wait()
+	})
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		for i := 1; ; i++ {
+			select {
+			case <-s.done:
+				return
+			case <-time.After(time.Duration(rand.IntN(8)) * time.Millisecond):
+			}
+			if err := crashTxn(e, fmt.Sprintf("v%d", i)); err != nil {
+				t.Errorf("txn %d: %v", i, err)
+				return
+			}
+			s.mu.Lock()
+			s.n = i
+			s.mu.Unlock()
+		}
+	}()
+	return s
+}
+
+// last returns N of the last transaction committed.
+func (s *crashStream) last() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.n
+}
+
+// stop ends the stream and waits for its last transaction; it may be
+// called again.
+func (s *crashStream) stop() { s.stopped() }
 
 // checkCompleteQuiet returns the value of the version ..data names when
 // it is complete and from one transaction, else "".

@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"crypto/rand"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -16,6 +17,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -301,5 +303,91 @@ func Tools(tb testing.TB, pkgs map[string]string) {
 			tb.Fatalf("installing %v: %v\n%s", missing, err, out)
 		}
 		tb.Skipf("installing %v: %v", missing, err)
+	}
+}
+
+// PowerCutFS is an ext4 file system on a loop device, made for a test: one
+// that can lose power (CutPower) and be mounted again.
+type PowerCutFS struct {
+	tb    testing.TB
+	image string
+	// Dir is where it is mounted.
+	Dir string
+}
+
+// NewPowerCutFS makes an ext4 image of size (truncate(1)'s syntax, as
+// "64M") in a temporary directory and mounts it at Dir through a loop
+// device. It is unmounted when the test ends. It needs root, mkfs.ext4 and
+// losetup (installed when missing, see Tools).
+func NewPowerCutFS(tb testing.TB, size string) *PowerCutFS {
+	tb.Helper()
+	Require(tb)
+	Tools(tb, map[string]string{"mkfs.ext4": "e2fsprogs", "losetup": "mount"})
+	base := TempDir(tb)
+	f := &PowerCutFS{tb: tb, image: filepath.Join(base, "ext4.img"), Dir: filepath.Join(base, "fs")}
+	f.command("truncate", "-s", size, f.image)
+	f.command("mkfs.ext4", "-q", "-F", f.image)
+	if err := os.Mkdir(f.Dir, 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	UnmountAtEnd(tb, f.Dir)
+	f.Mount()
+	return f
+}
+
+// Mount mounts the file system at Dir; the kernel replays its journal
+// first, as at a boot after a power cut.
+func (f *PowerCutFS) Mount() {
+	f.tb.Helper()
+	f.command("mount", "-o", "loop", f.image, f.Dir)
+	if err := os.Chmod(f.Dir, 0o755); err != nil {
+		f.tb.Fatal(err)
+	}
+}
+
+// Unmount unmounts it, trying again for 30 s while it is busy: a process
+// killed a moment before may still hold a file of it open.
+func (f *PowerCutFS) Unmount() {
+	f.tb.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		err := unix.Unmount(f.Dir, 0)
+		if err == nil {
+			return
+		}
+		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			f.tb.Fatalf("unmount %s: %v", f.Dir, err)
+		}
+	}
+}
+
+// EXT4_IOC_SHUTDOWN (_IOR('X', 125, __u32), the number of
+// XFS_IOC_GOINGDOWN) and its flag that shuts the file system down without
+// committing its journal (linux/fs/ext4/ioctl.c).
+const (
+	ext4IOCShutdown     = 0x8004587d
+	ext4GoingNoLogFlush = 2
+)
+
+// CutPower shuts the file system down without committing its journal:
+// from then on every operation on it fails with EIO, and what no fsync
+// made durable never reaches the image — what a power cut leaves. Unmount
+// and Mount it again to go on. It may be called from any goroutine, and
+// returns the ioctl's error.
+func (f *PowerCutFS) CutPower() error {
+	fd, err := unix.Open(f.Dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	if err := unix.IoctlSetPointerInt(fd, ext4IOCShutdown, ext4GoingNoLogFlush); err != nil {
+		return fmt.Errorf("EXT4_IOC_SHUTDOWN %s: %w", f.Dir, err)
+	}
+	return nil
+}
+
+func (f *PowerCutFS) command(name string, args ...string) {
+	f.tb.Helper()
+	if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+		f.tb.Fatalf("%s %v: %v\n%s", name, args, err, out)
 	}
 }
