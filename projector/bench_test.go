@@ -173,41 +173,31 @@ func BenchmarkWriteOneKey(b *testing.B) {
 	file := func(i int) File {
 		return File{Data: fmt.Appendf(nil, "update %04d", i%10000), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
 	}
-	b.Run("writer", func(b *testing.B) {
-		w, err := OpenAtomicWriter(b.TempDir(), WriterOptions{DirUID: -1, DirGID: -1})
-		if err != nil {
-			b.Fatal(err)
+	for _, synced := range []bool{false, true} {
+		name := "writer"
+		if synced {
+			name = "writer-synced"
 		}
-		defer w.Close()
-		i := 0
-		for b.Loop() {
-			i++
-			if _, err := w.Write(Payload{"key-00000": file(i)}); err != nil {
+		b.Run(name, func(b *testing.B) {
+			dir := b.TempDir()
+			opts := WriterOptions{DirUID: -1, DirGID: -1}
+			if synced {
+				opts.ManifestDir, opts.Sync = manifestDir(b, dir), true
+			}
+			w, err := OpenAtomicWriter(dir, opts)
+			if err != nil {
 				b.Fatal(err)
 			}
-		}
-	})
-	b.Run("writer-synced", func(b *testing.B) {
-		dir := b.TempDir()
-		manifests := dir + "/manifests"
-		for _, d := range []string{manifests, dir + "/mount"} {
-			if err := os.Mkdir(d, 0o700); err != nil {
-				b.Fatal(err)
+			defer w.Close()
+			i := 0
+			for b.Loop() {
+				i++
+				if _, err := w.Write(Payload{"key-00000": file(i)}); err != nil {
+					b.Fatal(err)
+				}
 			}
-		}
-		w, err := OpenAtomicWriter(dir+"/mount", WriterOptions{ManifestDir: manifests, Sync: true, DirUID: -1, DirGID: -1})
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer w.Close()
-		i := 0
-		for b.Loop() {
-			i++
-			if _, err := w.Write(Payload{"key-00000": file(i)}); err != nil {
-				b.Fatal(err)
-			}
-		}
-	})
+		})
+	}
 	b.Run("floor", func(b *testing.B) {
 		dir := b.TempDir()
 		old := ""

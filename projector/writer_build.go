@@ -418,10 +418,14 @@ type syncBatch struct {
 	// files are fsynced and closed; dirs are fsynced only: their owner
 	// holds them open.
 	files []*os.File
-	dirs  []*os.File
-	// dirNames name dirs in errors.
-	dirNames []string
-	err      error
+	dirs  []queuedDir
+	err   error
+}
+
+// queuedDir is a directory of a syncBatch, and its name for errors.
+type queuedDir struct {
+	f    *os.File
+	name string
 }
 
 // syncBatchSize is how many files and directories a batch fsyncs at once.
@@ -450,7 +454,7 @@ func (b *syncBatch) add(f *os.File) error {
 // (through syncFile) and left open, fsyncing the batch when it is full. It
 // returns the first error of a fsync or close so far.
 func (b *syncBatch) addDir(d *os.File, name string) error {
-	b.dirs, b.dirNames = append(b.dirs, d), append(b.dirNames, name)
+	b.dirs = append(b.dirs, queuedDir{d, name})
 	return b.flushFull()
 }
 
@@ -478,13 +482,13 @@ func (b *syncBatch) flush() error {
 	}
 	for i, d := range b.dirs {
 		wg.Go(func() {
-			if err := syncFile(d); err != nil {
-				errs[len(b.files)+i] = fmt.Errorf("atomic writer: fsync %s: %w", b.dirNames[i], err)
+			if err := syncFile(d.f); err != nil {
+				errs[len(b.files)+i] = fmt.Errorf("atomic writer: fsync %s: %w", d.name, err)
 			}
 		})
 	}
 	wg.Wait()
-	b.files, b.dirs, b.dirNames = b.files[:0], b.dirs[:0], b.dirNames[:0]
+	b.files, b.dirs = b.files[:0], b.dirs[:0]
 	if b.err == nil {
 		b.err = errors.Join(errs...)
 	}
@@ -497,7 +501,7 @@ func (b *syncBatch) discard() {
 	for _, f := range b.files {
 		_ = f.Close()
 	}
-	b.files, b.dirs, b.dirNames = nil, nil, nil
+	b.files, b.dirs = nil, nil
 }
 
 // addVisible creates a symlink name -> ..data/name for every first path
