@@ -226,3 +226,28 @@ func BenchmarkWriteOneKey(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkPayloadDigest measures Payload.Digest of a mount of 100 files
+// of 100 bytes, the size of BenchmarkScale100kKeys' mounts, which the
+// reconciler computes once per mount after a restart to find the mounts
+// changed while kvmount was down; and the digest of the same payload's
+// manifest entries, which every adoption checks its manifest against.
+func BenchmarkPayloadDigest(b *testing.B) {
+	payload := payloadOf(100, 100, 4)
+	b.Run("payload", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			payload.Digest()
+		}
+	})
+	b.Run("manifest", func(b *testing.B) {
+		entries := make([]manifestEntry, 0, len(payload))
+		for _, p := range payload.Paths() {
+			entries = append(entries, entryOf(p, payload[p]))
+		}
+		b.ReportAllocs()
+		for b.Loop() {
+			payloadDigest(entries)
+		}
+	})
+}

@@ -345,3 +345,39 @@ func TestOrphanManifestsArePruned(t *testing.T) {
 		t.Errorf("manifest directory holds %v; want %v", left, want)
 	}
 }
+
+// TestDigestFormat pins the payload digest's format: the digests of two
+// payloads as every version since the manifest's first format computed
+// them. The manifests already on disk record them; a digest computed
+// another way would find every mount changed after an upgrade and every
+// manifest torn, and make a restart rewrite all of them.
+func TestDigestFormat(t *testing.T) {
+	small := Payload{
+		"app.conf":    {Data: []byte("listen 80\n"), Mode: 0o644, UID: 0, GID: 0},
+		"tls/key.pem": {Data: []byte("KEY"), Mode: 0o600, UID: 1000, GID: 1001},
+		"deep/a/b/c":  {Mode: 0o640, UID: 65534, GID: 65534},
+	}
+	big := payloadOf(100, 100, 4)
+	for name, f := range big {
+		f.UID, f.GID = 0, 0
+		big[name] = f
+	}
+	for _, tc := range []struct {
+		payload Payload
+		want    string
+	}{
+		{small, "a80ef76d59dfe87d6e202b07ca7de2c9f088559105bc5ad04ebd4ef2dd65e00e"},
+		{big, "095880a5a5107c31449490b0caacb86fdd33a62b88c6784a06353657ebe18cf7"},
+	} {
+		if got := tc.payload.Digest(); got != tc.want {
+			t.Errorf("Digest of %d files = %s; want %s", len(tc.payload), got, tc.want)
+		}
+		entries := make([]manifestEntry, 0, len(tc.payload))
+		for _, p := range tc.payload.Paths() {
+			entries = append(entries, entryOf(p, tc.payload[p]))
+		}
+		if got := payloadDigest(entries); got != tc.want {
+			t.Errorf("digest of the manifest entries of %d files = %s; want %s", len(tc.payload), got, tc.want)
+		}
+	}
+}
