@@ -3,7 +3,6 @@ package config
 import (
 	"bytes"
 	"fmt"
-	"slices"
 
 	"github.com/BurntSushi/toml"
 )
@@ -21,10 +20,11 @@ func Excerpt(data []byte, sources, mounts []string) ([]byte, error) {
 	if _, err := toml.Decode(string(data), &raw); err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
+	keepSource, keepMount := set(sources), set(mounts)
 	if tables, ok := raw["sources"].(map[string]any); ok {
 		kept := map[string]any{}
 		for name, t := range tables {
-			if slices.Contains(sources, name) {
+			if keepSource[name] {
 				kept[name] = t
 			}
 		}
@@ -33,7 +33,7 @@ func Excerpt(data []byte, sources, mounts []string) ([]byte, error) {
 	if tables, ok := raw["mount"].([]map[string]any); ok {
 		var kept []map[string]any
 		for _, t := range tables {
-			if name, _ := t["name"].(string); slices.Contains(mounts, name) {
+			if name, _ := t["name"].(string); keepMount[name] {
 				kept = append(kept, t)
 			}
 		}
@@ -48,4 +48,13 @@ func Excerpt(data []byte, sources, mounts []string) ([]byte, error) {
 		return nil, fmt.Errorf("config: %w", err)
 	}
 	return out.Bytes(), nil
+}
+
+// set returns names as a set.
+func set(names []string) map[string]bool {
+	out := make(map[string]bool, len(names))
+	for _, name := range names {
+		out[name] = true
+	}
+	return out
 }

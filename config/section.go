@@ -36,11 +36,23 @@ type Section struct {
 	path    []string // key path for line lookups, arrays numbered
 	display string   // the path as shown to people: mount[1].items[0]
 	table   map[string]any
-	used    map[string]bool
+	// used holds the keys of table a getter asked for; asked, every key
+	// a getter asked for, set or not (with repeats), which Done suggests
+	// from.
+	used  map[string]bool
+	asked []string
 }
 
 func newSection(doc *document, path []string, display string, table map[string]any) *Section {
-	return &Section{doc: doc, path: path, display: display, table: table, used: map[string]bool{}}
+	return &Section{doc: doc, path: path, display: display, table: table, used: make(map[string]bool, len(table))}
+}
+
+// use marks key as known.
+func (s *Section) use(key string) {
+	s.asked = append(s.asked, key)
+	if _, set := s.table[key]; set {
+		s.used[key] = true
+	}
 }
 
 // Name returns the section's dotted name, such as "sources.main".
@@ -48,7 +60,7 @@ func (s *Section) Name() string { return s.display }
 
 // Has reports whether key is set.
 func (s *Section) Has(key string) bool {
-	s.used[key] = true
+	s.use(key)
 	_, ok := s.table[key]
 	return ok
 }
@@ -105,7 +117,7 @@ func (s *Section) keyName(key string) string {
 
 // get marks key as known and returns its raw value.
 func (s *Section) get(key string) (any, bool) {
-	s.used[key] = true
+	s.use(key)
 	v, ok := s.table[key]
 	return v, ok
 }
@@ -389,7 +401,7 @@ func (s *Section) Keys() []string {
 	keys := make([]string, 0, len(s.table))
 	for k := range s.table {
 		keys = append(keys, k)
-		s.used[k] = true
+		s.use(k)
 	}
 	slices.Sort(keys)
 	return keys
@@ -418,7 +430,7 @@ func (s *Section) Done() {
 // within two edits.
 func (s *Section) closest(k string) string {
 	best, bestDist := "", 3
-	for known := range s.used {
+	for _, known := range s.asked {
 		if _, set := s.table[known]; set {
 			continue
 		}
