@@ -63,6 +63,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 	@etcd=$$(scripts/etcd-server.sh) && KVMOUNT_ETCD=$$etcd $(GO) test -run '^$$' -bench '^BenchmarkWatchGrouping$$' -benchtime 1x -count 3 -timeout 20m ./source/etcd
 	$(GO) test -run '^$$' -bench '^BenchmarkWakeUp$$' -benchtime 2000x -count 3 ./privsep
 	$(GO) test -run '^$$' -bench '^BenchmarkRemoteResend$$' -benchtime 3x -count 3 ./privsep
+	$(GO) test -run '^$$' -bench '^BenchmarkDomainConfiguration1000Mounts$$' -benchmem -count 3 ./privsep
 	$(MAKE) bench-baseline
 
 # The commit bench-baseline compares this tree with: by default the last one

@@ -769,6 +769,11 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     (written just before): mounts are read in no promised order, so
 //     the later of the two is nearer the time until every mount is
 //     current;
+//   - restart-cpu-monitor-s and restart-cpu-worker-s: the CPU time (user
+//     and system, /proc/PID/stat, in 10 ms ticks) the restarted monitor
+//     and its worker had used when the later of those writes was seen —
+//     what a restart costs, less exposed than its duration to what else
+//     the machine's disk and CPUs do;
 //   - pss-anon-monitor-updated-MiB: the monitor's anonymous memory at
 //     rest after every mount was updated once, one after another (one
 //     key each), before the restart; pss-anon-monitor-MiB is the same
@@ -1012,13 +1017,19 @@ func scale100kKeys(b *testing.B, bin string) {
 			b.Fatal(err)
 		}
 	}
-	var restartFirst, restart time.Duration
+	var restartFirst, restart, restartCPU, restartWorkerCPU time.Duration
 	for deadline := time.Now().Add(5 * time.Minute); restartFirst == 0 || restart == 0; time.Sleep(5 * time.Millisecond) {
 		if data, _ := os.ReadFile(filepath.Join(base, "mnt", "m0000", "key-099")); restartFirst == 0 && string(data) == "after restart" {
 			restartFirst = time.Since(t0)
 		}
 		if data, _ := os.ReadFile(filepath.Join(last, "key-099")); restart == 0 && string(data) == "after restart" {
 			restart = time.Since(t0)
+		}
+		if restartFirst != 0 && restart != 0 {
+			restartCPU = cpuTime(b, cmd.Process.Pid)
+			for _, child := range childPIDs(b, cmd.Process.Pid) {
+				restartWorkerCPU += cpuTime(b, child)
+			}
 		}
 		if time.Now().After(deadline) {
 			b.Fatal("the writes after the restart never arrived")
@@ -1064,6 +1075,8 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(cold.Seconds()/floorProcs.Seconds(), "cold/floor-bulkprocs")
 	b.ReportMetric(restart.Seconds(), "restart-write-s")
 	b.ReportMetric(restartFirst.Seconds(), "restart-write-first-s")
+	b.ReportMetric(restartCPU.Seconds(), "restart-cpu-monitor-s")
+	b.ReportMetric(restartWorkerCPU.Seconds(), "restart-cpu-worker-s")
 	b.ReportMetric(float64(rss)/(1<<20), "rss-MiB")
 	b.ReportMetric(float64(rss)/(mounts*keys), "rss-B/key")
 	b.ReportMetric(float64(pss)/(1<<20), "pss-MiB")
@@ -1133,6 +1146,32 @@ func childPIDs(b *testing.B, pid int) []int {
 		}
 	}
 	return out
+}
+
+// cpuTime returns the CPU time, user and system, that process pid and all
+// its threads have used, from /proc/pid/stat (utime and stime, in ticks of
+// 1/100 s: USER_HZ, proc(5)).
+func cpuTime(b *testing.B, pid int) time.Duration {
+	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		b.Fatal(err)
+	}
+	// The fields after the command's ")" start with the third, state;
+	// utime and stime are the 14th and 15th.
+	i := strings.LastIndexByte(string(data), ')')
+	fields := strings.Fields(string(data[i+1:]))
+	if i < 0 || len(fields) < 13 {
+		b.Fatalf("/proc/%d/stat: %q", pid, data)
+	}
+	var ticks int64
+	for _, f := range fields[11:13] {
+		n, err := strconv.ParseInt(f, 10, 64)
+		if err != nil {
+			b.Fatalf("/proc/%d/stat: %q", pid, data)
+		}
+		ticks += n
+	}
+	return time.Duration(ticks) * (time.Second / 100)
 }
 
 // rssBytes returns the resident set size of pid, from /proc/pid/status.
