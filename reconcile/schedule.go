@@ -99,9 +99,17 @@ const firstReadsWait = 3 * time.Second
 
 // holdForFirstReads reports whether setups, bulk work and verification
 // wait at now for the sources' first reads: until no mount waits for a
-// first snapshot from a source that has not failed, or firstReadsWait after
-// Run started. Once it has returned false, it always does.
-func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time) bool {
+// first snapshot from a source that has not failed, and then until the
+// changes those reads found are written (changes: a change runs or is
+// about to start) — or until firstReadsWait after Run started. Once it has
+// returned false, it always does.
+//
+// The changes go first in the CPUs as well as in the slots: a restart is
+// CPU-bound, and 31 adoptions of unchanged mounts released with the last
+// read delayed the write of the mount that read found changed by tens of
+// milliseconds (BENCHMARKS.md, "A restart's changes before its
+// adoptions").
+func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, changes bool) bool {
 	if r.readsDone {
 		return false
 	}
@@ -110,6 +118,9 @@ func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time) bool {
 			if len(d.Waiting) > 0 && len(d.Stale) == 0 {
 				return true
 			}
+		}
+		if changes {
+			return true
 		}
 	}
 	r.readsDone = true
@@ -172,7 +183,14 @@ func (r *Reconciler) schedule(ops []Op, dsw DesiredState, now time.Time) (start 
 	for _, c := range r.running {
 		running[c]++
 	}
-	hold := r.holdForFirstReads(dsw, now)
+	changes := false
+	for _, c := range classes {
+		changes = changes || c == classChange
+	}
+	for _, c := range r.running {
+		changes = changes || c == classChange
+	}
+	hold := r.holdForFirstReads(dsw, now, changes)
 	maxSetups := setupLimit(r.openFiles, len(r.runtimes))
 	if hold {
 		verifyAt = r.startedAt.Add(firstReadsWait)

@@ -122,8 +122,8 @@ func TestSetupLimit(t *testing.T) {
 // TestScheduleHoldsForFirstReads: just after the start, while a mount waits
 // for its first snapshot, only changes start — setups, adoptions and
 // verifications wait, and a pass is asked for at the end of the wait. They
-// start once no mount waits from a source that has not failed, or once
-// firstReadsWait has passed.
+// start once no mount waits from a source that has not failed and the
+// changes are written, or once firstReadsWait has passed.
 func TestScheduleHoldsForFirstReads(t *testing.T) {
 	for _, release := range []string{"read", "source failed", "timeout"} {
 		t.Run(release, func(t *testing.T) {
@@ -155,6 +155,13 @@ func TestScheduleHoldsForFirstReads(t *testing.T) {
 				dsw["waiting"].Stale = []error{errors.New("unreachable")}
 			case "timeout":
 				later = now.Add(firstReadsWait)
+			}
+			if release != "timeout" {
+				start, at = r.schedule(ops(), dsw, later)
+				if len(start) != 0 || !at.Equal(now.Add(firstReadsWait)) {
+					t.Fatalf("started %v, next pass at %v while the change is written; want none, and a pass at %v", start, at.Sub(now), firstReadsWait)
+				}
+				r.finished("changed", time.Millisecond, later)
 			}
 			start, _ = r.schedule(ops(), dsw, later)
 			if got := started(start); !got["new"] || !got["adopt"] || !got["verify"] {
