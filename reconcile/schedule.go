@@ -100,16 +100,17 @@ const firstReadsWait = 3 * time.Second
 // holdForFirstReads reports whether setups, bulk work and verification
 // wait at now for the sources' first reads: until no mount waits for a
 // first snapshot from a source that has not failed, and then until the
-// changes those reads found are written (changes: a change runs or is
-// about to start) — or until firstReadsWait after Run started. Once it has
-// returned false, it always does.
+// changes those reads found are written (while classes, those of the
+// operations this pass may start, or the running ones hold a change) — or
+// until firstReadsWait after Run started. Once it has returned false, it
+// always does.
 //
 // The changes go first in the CPUs as well as in the slots: a restart is
 // CPU-bound, and 31 adoptions of unchanged mounts released with the last
 // read delayed the write of the mount that read found changed by tens of
 // milliseconds (BENCHMARKS.md, "A restart's changes before its
 // adoptions").
-func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, changes bool) bool {
+func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, classes map[string]opClass) bool {
 	if r.readsDone {
 		return false
 	}
@@ -119,8 +120,12 @@ func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, changes 
 				return true
 			}
 		}
-		if changes {
-			return true
+		for _, ops := range []map[string]opClass{classes, r.running} {
+			for _, c := range ops {
+				if c == classChange {
+					return true
+				}
+			}
 		}
 	}
 	r.readsDone = true
@@ -183,14 +188,7 @@ func (r *Reconciler) schedule(ops []Op, dsw DesiredState, now time.Time) (start 
 	for _, c := range r.running {
 		running[c]++
 	}
-	changes := false
-	for _, c := range classes {
-		changes = changes || c == classChange
-	}
-	for _, c := range r.running {
-		changes = changes || c == classChange
-	}
-	hold := r.holdForFirstReads(dsw, now, changes)
+	hold := r.holdForFirstReads(dsw, now, classes)
 	maxSetups := setupLimit(r.openFiles, len(r.runtimes))
 	if hold {
 		verifyAt = r.startedAt.Add(firstReadsWait)
