@@ -1159,8 +1159,11 @@ func cpuTime(b *testing.B, pid int) time.Duration {
 	// The fields after the command's ")" start with the third, state;
 	// utime and stime are the 14th and 15th.
 	i := strings.LastIndexByte(string(data), ')')
+	if i < 0 {
+		b.Fatalf("/proc/%d/stat: %q", pid, data)
+	}
 	fields := strings.Fields(string(data[i+1:]))
-	if i < 0 || len(fields) < 13 {
+	if len(fields) < 13 {
 		b.Fatalf("/proc/%d/stat: %q", pid, data)
 	}
 	var ticks int64
