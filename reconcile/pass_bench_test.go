@@ -43,3 +43,52 @@ func BenchmarkPass(b *testing.B) {
 		b.Fatalf("a pass started %d operations; want none", len(r.asw.InFlight))
 	}
 }
+
+// BenchmarkPassRestart measures one pass of the reconciler's loop during a
+// restart of 1,000 mounts of 100 keys, while the sources' first reads are
+// still coming: every mount but one has its payload, equal to what the
+// previous run left (its manifest's digest), and waits to be adopted
+// until the last one is read (holdForFirstReads). Each payload that
+// arrives then is followed by such a pass, which starts nothing. Run
+// with: go test -run '^$' -bench PassRestart ./reconcile
+func BenchmarkPassRestart(b *testing.B) {
+	const n, keys = 1000, 100
+	cache := newFakeCache()
+	var mounts []*config.Mount
+	for i := range n + 1 {
+		prefix := fmt.Sprintf("p%04d/", i)
+		mounts = append(mounts, testMount(fmt.Sprintf("m%04d", i), prefix))
+		if i == n {
+			break // the one whose first read has not come
+		}
+		entries := make(map[string]string, keys)
+		for k := range keys {
+			entries[fmt.Sprintf("key-%03d", k)] = fmt.Sprintf("value %d of mount %d", k, i)
+		}
+		cache.feed("main", prefix).publish("7", entries)
+	}
+	pop := NewPopulatorFor(cache, discard)
+	if err := pop.SetMounts(mounts); err != nil {
+		b.Fatal(err)
+	}
+	owned, err := LoadOwned(filepath.Join(b.TempDir(), "state"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	r := New(pop, owned, NewTrigger(), discard, Options{ResyncInterval: time.Hour})
+	for name, d := range pop.Populate() {
+		r.asw.Mounts[name] = &ActualMount{Dir: d.Spec.Dir, Medium: d.Spec.Medium}
+		if d.Ready() {
+			r.asw.Mounts[name].DiskDigest = d.Payload.Digest()
+		}
+	}
+	b.ReportAllocs()
+	for b.Loop() {
+		// Within firstReadsWait of the start, however long the run.
+		r.startedAt = time.Now()
+		r.pass(r.startedAt)
+	}
+	if len(r.asw.InFlight) > 0 || r.readsDone {
+		b.Fatalf("a pass started %d operations (first reads done: %v); want none", len(r.asw.InFlight), r.readsDone)
+	}
+}

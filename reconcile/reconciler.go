@@ -298,41 +298,54 @@ func (r *Reconciler) Run(ctx context.Context) error {
 	defer resync.Stop()
 	defer r.shutdown()
 	for {
-		retryAt := r.pass(time.Now())
+		began := time.Now()
+		retryAt := r.pass(began)
 		var retry <-chan time.Time
 		if !retryAt.IsZero() {
 			retry = time.After(time.Until(retryAt))
 		}
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-r.trigger:
-		case res := <-r.results:
-			r.apply(res)
-			// Apply the other results already in before the next pass:
-			// a pass looks at every mount, and a cold start with 1,000
-			// mounts would otherwise make 1,000 passes one after the
-			// other (measured: the first update after it waited 0.6–1.2 s).
-			r.applyPending()
-		case <-retry:
-		case <-resync.C:
-			for _, a := range r.asw.Mounts {
-				a.VerifyDue = true
+		// A wake-up from the populator waits for the gate, if the pass
+		// was paced.
+		trigger, gate := r.trigger, (<-chan time.Time)(nil)
+		if pace := r.passPace(time.Since(began)); pace > 0 {
+			trigger, gate = nil, time.After(pace)
+		}
+		for woken := false; !woken; {
+			woken = true
+			select {
+			case <-ctx.Done():
+				return nil
+			case <-gate:
+				// Open: wait for the wake-up itself.
+				trigger, gate, woken = r.trigger, nil, false
+			case <-trigger:
+			case res := <-r.results:
+				r.apply(res)
+				// Apply the other results already in before the next pass:
+				// a pass looks at every mount, and a cold start with 1,000
+				// mounts would otherwise make 1,000 passes one after the
+				// other (measured: the first update after it waited 0.6–1.2 s).
+				r.applyPending()
+			case <-retry:
+			case <-resync.C:
+				for _, a := range r.asw.Mounts {
+					a.VerifyDue = true
+				}
+			case pong := <-r.pings:
+				close(pong)
+			case req := <-r.adopts:
+				req.done <- r.adopt(req.mount)
+			case req := <-r.reloads:
+				if req.cfg.Sources != nil {
+					r.pop.SetSources(req.cfg.Sources)
+				}
+				err := r.pop.SetMounts(req.cfg.Mounts)
+				if iv := req.cfg.ResyncInterval; err == nil && iv > 0 && iv != r.opts.ResyncInterval {
+					r.opts.ResyncInterval = iv
+					resync.Reset(iv)
+				}
+				req.done <- err
 			}
-		case pong := <-r.pings:
-			close(pong)
-		case req := <-r.adopts:
-			req.done <- r.adopt(req.mount)
-		case req := <-r.reloads:
-			if req.cfg.Sources != nil {
-				r.pop.SetSources(req.cfg.Sources)
-			}
-			err := r.pop.SetMounts(req.cfg.Mounts)
-			if iv := req.cfg.ResyncInterval; err == nil && iv > 0 && iv != r.opts.ResyncInterval {
-				r.opts.ResyncInterval = iv
-				resync.Reset(iv)
-			}
-			req.done <- err
 		}
 	}
 }
@@ -356,6 +369,28 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	}
 	r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
 	return retryAt
+}
+
+// While the first reads are held for (holdForFirstReads), a pass can
+// start nothing but the changes those reads found, and a restart of 1,000
+// mounts made one after each payload that came: 137 passes of 1,000
+// mounts each, half the monitor's CPU on two CPUs that the worker and the
+// store needed to read (BENCHMARKS.md, "A restart's passes paced"). So
+// then the next pass that a wake-up from the populator asks for waits
+// passPaceFactor times the last pass's duration, at most maxPassPace; an
+// operation's result, a ping, a reload or a retry time does not wait.
+const (
+	passPaceFactor = 4
+	maxPassPace    = 5 * time.Millisecond
+)
+
+// passPace returns how long after a pass that took took the next one
+// waits for a wake-up from the populator: 0 once the first reads are done.
+func (r *Reconciler) passPace(took time.Duration) time.Duration {
+	if r.readsDone {
+		return 0
+	}
+	return min(passPaceFactor*took, maxPassPace)
 }
 
 // applyPending applies the operation results that are waiting, without

@@ -1,7 +1,6 @@
 package reconcile
 
 import (
-	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -100,17 +99,17 @@ const firstReadsWait = 3 * time.Second
 // holdForFirstReads reports whether setups, bulk work and verification
 // wait at now for the sources' first reads: until no mount waits for a
 // first snapshot from a source that has not failed, and then until the
-// changes those reads found are written (while classes, those of the
-// operations this pass may start, or the running ones hold a change) — or
-// until firstReadsWait after Run started. Once it has returned false, it
-// always does.
+// changes those reads found are written (while this pass may start a
+// change, as changes says, or a running operation is one) — or until
+// firstReadsWait after Run started. Once it has returned false, it always
+// does.
 //
 // The changes go first in the CPUs as well as in the slots: a restart is
 // CPU-bound, and 31 adoptions of unchanged mounts released with the last
 // read delayed the write of the mount that read found changed by tens of
 // milliseconds (BENCHMARKS.md, "A restart's changes before its
 // adoptions").
-func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, classes map[string]opClass) bool {
+func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, changes bool) bool {
 	if r.readsDone {
 		return false
 	}
@@ -120,11 +119,12 @@ func (r *Reconciler) holdForFirstReads(dsw DesiredState, now time.Time, classes 
 				return true
 			}
 		}
-		for _, ops := range []map[string]opClass{classes, r.running} {
-			for _, c := range ops {
-				if c == classChange {
-					return true
-				}
+		if changes {
+			return true
+		}
+		for _, c := range r.running {
+			if c == classChange {
+				return true
 			}
 		}
 	}
@@ -179,51 +179,60 @@ type digestAt struct {
 // work held back — a verification by its pace, anything by the first
 // reads — (zero if none is).
 func (r *Reconciler) schedule(ops []Op, dsw DesiredState, now time.Time) (start []Op, verifyAt time.Time) {
-	classes := make(map[string]opClass, len(ops))
-	for _, op := range ops {
-		classes[op.Mount] = r.classify(op, dsw[op.Mount], r.asw.Mounts[op.Mount])
+	// Each op's class, by index: a pass during a restart classifies
+	// 1,000 held operations, and a map of them, sorted through it, was a
+	// third of the pass (BenchmarkPassRestart).
+	classes := make([]opClass, len(ops))
+	var changes bool
+	for i, op := range ops {
+		classes[i] = r.classify(op, dsw[op.Mount], r.asw.Mounts[op.Mount])
+		changes = changes || classes[i] == classChange
 	}
-	slices.SortStableFunc(ops, func(a, b Op) int { return int(classes[a.Mount]) - int(classes[b.Mount]) })
 	var running [4]int
 	for _, c := range r.running {
 		running[c]++
 	}
-	hold := r.holdForFirstReads(dsw, now, classes)
+	hold := r.holdForFirstReads(dsw, now, changes)
 	maxSetups := setupLimit(r.openFiles, len(r.runtimes))
 	if hold {
 		verifyAt = r.startedAt.Add(firstReadsWait)
 	}
 	bulkWaiting := false
-	for _, op := range ops {
-		c := classes[op.Mount]
-		total := running[classChange] + running[classBulk] + running[classBackground]
-		switch c {
-		case classChange:
-			if total >= MaxOperations {
+	// Class by class, each in the order of ops.
+	for c := range opClass(len(running)) {
+		for i, op := range ops {
+			if classes[i] != c {
 				continue
 			}
-		case classSetup:
-			if hold || running[classSetup] >= maxSetups {
-				bulkWaiting = true
-				continue
+			total := running[classChange] + running[classBulk] + running[classBackground]
+			switch c {
+			case classChange:
+				if total >= MaxOperations {
+					continue
+				}
+			case classSetup:
+				if hold || running[classSetup] >= maxSetups {
+					bulkWaiting = true
+					continue
+				}
+			case classBulk:
+				if hold || running[classBulk]+running[classBackground] >= MaxOperations-1 {
+					bulkWaiting = true
+					continue
+				}
+			case classBackground:
+				if hold || bulkWaiting || running[classBackground] > 0 || running[classBulk]+running[classBackground] >= MaxOperations-1 {
+					continue
+				}
+				if now.Before(r.verifyAt) {
+					verifyAt = r.verifyAt
+					continue
+				}
 			}
-		case classBulk:
-			if hold || running[classBulk]+running[classBackground] >= MaxOperations-1 {
-				bulkWaiting = true
-				continue
-			}
-		case classBackground:
-			if hold || bulkWaiting || running[classBackground] > 0 || running[classBulk]+running[classBackground] >= MaxOperations-1 {
-				continue
-			}
-			if now.Before(r.verifyAt) {
-				verifyAt = r.verifyAt
-				continue
-			}
+			running[c]++
+			r.running[op.Mount] = c
+			start = append(start, op)
 		}
-		running[c]++
-		r.running[op.Mount] = c
-		start = append(start, op)
 	}
 	r.procs.fit(running[classSetup])
 	return start, verifyAt

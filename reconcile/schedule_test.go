@@ -232,3 +232,24 @@ func TestSchedulePacesVerification(t *testing.T) {
 		t.Errorf("started %v after the pause; want v2", start)
 	}
 }
+
+// TestPassPace checks the pace of the loop's passes: while the first
+// reads are held for, the next wake-up from the populator waits four
+// times the last pass's duration, at most maxPassPace; after them, none.
+func TestPassPace(t *testing.T) {
+	r := &Reconciler{}
+	for _, c := range []struct{ took, want time.Duration }{
+		{0, 0},
+		{200 * time.Microsecond, 800 * time.Microsecond},
+		{time.Millisecond, 4 * time.Millisecond},
+		{time.Second, maxPassPace},
+	} {
+		if got := r.passPace(c.took); got != c.want {
+			t.Errorf("before the first reads are done, a pass of %v: next wake-up after %v; want %v", c.took, got, c.want)
+		}
+	}
+	r.readsDone = true
+	if got := r.passPace(time.Second); got != 0 {
+		t.Errorf("after the first reads, a pass of 1s: next wake-up after %v; want at once", got)
+	}
+}
