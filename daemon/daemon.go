@@ -89,9 +89,14 @@ type daemon struct {
 	heap     *heapRelease     // nil in Once
 	service  *service
 	monitor  *monitor // nil with Options.InProcess
+	// workers is the monitor's run of its workers, started by load;
+	// nil with Options.InProcess.
+	workers *workersRun
 }
 
-// load reads the configuration and wires the parts; nothing runs yet.
+// load reads the configuration and wires the parts. The sources (or the
+// monitor's workers, which read them) start at once, so that their first
+// reads overlap the rest of the start; the reconciler does not run yet.
 // With svc set (Run), it adds the notifier, the release of the heap after
 // bursts of writes (heapRelease) and the admin endpoint,
 // which listens in the background once Run starts it: a port someone else
@@ -167,6 +172,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 			return nil, err
 		}
 		desired = d.monitor.Remote()
+		d.workers = startWorkers(d.monitor)
 	}
 	// The sources' first reads are under way (or the worker's): the
 	// host's audit (a walk up every mount's path) runs while they are.
@@ -290,6 +296,9 @@ func (d *daemon) close() {
 	if d.owned != nil {
 		d.owned.Close()
 	}
+	if d.workers != nil {
+		d.workers.stop()
+	}
 	if d.monitor != nil {
 		d.monitor.Close()
 	}
@@ -342,8 +351,8 @@ func Run(ctx context.Context, opts Options) error {
 		return nil
 	})
 	g.Go(func() error { return d.rec.Run(gctx) })
-	if d.monitor != nil {
-		g.Go(func() error { return d.monitor.run(gctx) })
+	if d.workers != nil {
+		g.Go(func() error { return d.workers.wait(gctx) })
 	}
 	d.admin.SetEndpoints(admin.Endpoints{Address: d.cfg.Admin, Socket: d.cfg.AdminSocket})
 	g.Go(func() error { return d.admin.Run(gctx) })

@@ -48,17 +48,6 @@ func Once(ctx context.Context, opts Options, timeout time.Duration) error {
 	if err != nil {
 		return err
 	}
-	superDone := make(chan struct{})
-	if d.monitor != nil {
-		superCtx, stopWorker := context.WithCancel(context.Background())
-		go func() {
-			defer close(superDone)
-			_ = d.monitor.run(superCtx)
-		}()
-		defer func() { stopWorker(); <-superDone }()
-	} else {
-		close(superDone)
-	}
 	err = d.rec.Run(ctx)
 	d.close()
 	if err != nil {

@@ -122,8 +122,13 @@ func NewRemote() *Remote {
 	return &Remote{mounts: map[string]*remoteMount{}, sources: map[string]string{}, observer: reconcile.ObserverFunc(func(reconcile.Event) {})}
 }
 
-// SetObserver implements reconcile.Desired.
-func (r *Remote) SetObserver(o reconcile.Observer) { r.observer = o }
+// SetObserver implements reconcile.Desired. The workers may be reporting
+// already.
+func (r *Remote) SetObserver(o reconcile.Observer) {
+	r.mu.Lock()
+	r.observer = o
+	r.mu.Unlock()
+}
 
 // WakeOnBuild implements reconcile.Desired: f is called at Idle when the
 // worker reported something since the last one.
@@ -270,10 +275,10 @@ func (r *Remote) Populate() reconcile.DesiredState {
 			r.dsw[name] = rm.desired
 		}
 	}
-	dsw := r.dsw
+	dsw, observer := r.dsw, r.observer
 	r.mu.Unlock()
 	for _, ev := range events {
-		r.observer.Observe(ev)
+		observer.Observe(ev)
 	}
 	return dsw
 }
