@@ -23,15 +23,7 @@ func BenchmarkPass(b *testing.B) {
 		mounts = append(mounts, testMount(fmt.Sprintf("m%04d", i), prefix))
 		cache.feed("main", prefix).publish("7", map[string]string{"key": fmt.Sprint(i)})
 	}
-	pop := NewPopulatorFor(cache, discard)
-	if err := pop.SetMounts(mounts); err != nil {
-		b.Fatal(err)
-	}
-	owned, err := LoadOwned(filepath.Join(b.TempDir(), "state"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	r := New(pop, owned, NewTrigger(), discard, Options{ResyncInterval: time.Hour})
+	r, pop := benchReconciler(b, cache, mounts)
 	for name, d := range pop.Populate() {
 		r.asw.Mounts[name] = &ActualMount{Dir: d.Spec.Dir, Medium: d.Spec.Medium, Generation: d.Generation}
 	}
@@ -67,15 +59,7 @@ func BenchmarkPassRestart(b *testing.B) {
 		}
 		cache.feed("main", prefix).publish("7", entries)
 	}
-	pop := NewPopulatorFor(cache, discard)
-	if err := pop.SetMounts(mounts); err != nil {
-		b.Fatal(err)
-	}
-	owned, err := LoadOwned(filepath.Join(b.TempDir(), "state"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	r := New(pop, owned, NewTrigger(), discard, Options{ResyncInterval: time.Hour})
+	r, pop := benchReconciler(b, cache, mounts)
 	for name, d := range pop.Populate() {
 		r.asw.Mounts[name] = &ActualMount{Dir: d.Spec.Dir, Medium: d.Spec.Medium}
 		if d.Ready() {
@@ -91,4 +75,19 @@ func BenchmarkPassRestart(b *testing.B) {
 	if len(r.asw.InFlight) > 0 || r.readsDone {
 		b.Fatalf("a pass started %d operations (first reads done: %v); want none", len(r.asw.InFlight), r.readsDone)
 	}
+}
+
+// benchReconciler returns a reconciler of mounts over cache, with no
+// mount in its actual state, and its populator.
+func benchReconciler(b *testing.B, cache *fakeCache, mounts []*config.Mount) (*Reconciler, *Populator) {
+	b.Helper()
+	pop := NewPopulatorFor(cache, discard)
+	if err := pop.SetMounts(mounts); err != nil {
+		b.Fatal(err)
+	}
+	owned, err := LoadOwned(filepath.Join(b.TempDir(), "state"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return New(pop, owned, NewTrigger(), discard, Options{ResyncInterval: time.Hour}), pop
 }

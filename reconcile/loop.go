@@ -1,0 +1,189 @@
+package reconcile
+
+import (
+	"context"
+	"maps"
+	"slices"
+	"time"
+)
+
+// The reconciler's loop: a pass over every mount, then a wait for what
+// calls for the next one.
+
+// Run reconciles until ctx is done. Then it starts no new operation, waits
+// for the running ones to finish — a write in progress completes, so no
+// half-built version is left behind — closes the mounts' writers and
+// returns nil.
+func (r *Reconciler) Run(ctx context.Context) error {
+	r.startedAt = time.Now()
+	resync := time.NewTicker(r.opts.ResyncInterval)
+	defer resync.Stop()
+	defer r.shutdown()
+	for {
+		began := time.Now()
+		retryAt := r.pass(began)
+		var retry <-chan time.Time
+		if !retryAt.IsZero() {
+			retry = time.After(time.Until(retryAt))
+		}
+		if !r.wait(ctx, retry, resync, r.passPace(time.Since(began))) {
+			return nil
+		}
+	}
+}
+
+// wait waits for what calls for the next pass — a wake-up from the
+// populator, no sooner than pace from now (passPace); an operation's
+// result; retry; the resync ticker; a ping, an adoption or a reload,
+// which it carries out — and reports false when ctx is done instead.
+func (r *Reconciler) wait(ctx context.Context, retry <-chan time.Time, resync *time.Ticker, pace time.Duration) bool {
+	trigger, gate := r.trigger, (<-chan time.Time)(nil)
+	if pace > 0 {
+		trigger, gate = nil, time.After(pace)
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return false
+		case <-gate:
+			// Open: wait for the wake-up itself.
+			trigger, gate = r.trigger, nil
+			continue
+		case <-trigger:
+		case res := <-r.results:
+			r.apply(res)
+			// Apply the other results already in before the next pass:
+			// a pass looks at every mount, and a cold start with 1,000
+			// mounts would otherwise make 1,000 passes one after the
+			// other (measured: the first update after it waited 0.6–1.2 s).
+			r.applyPending()
+		case <-retry:
+		case <-resync.C:
+			for _, a := range r.asw.Mounts {
+				a.VerifyDue = true
+			}
+		case pong := <-r.pings:
+			close(pong)
+		case req := <-r.adopts:
+			req.done <- r.adopt(req.mount)
+		case req := <-r.reloads:
+			if req.cfg.Sources != nil {
+				r.pop.SetSources(req.cfg.Sources)
+			}
+			err := r.pop.SetMounts(req.cfg.Mounts)
+			if iv := req.cfg.ResyncInterval; err == nil && iv > 0 && iv != r.opts.ResyncInterval {
+				r.opts.ResyncInterval = iv
+				resync.Reset(iv)
+			}
+			req.done <- err
+		}
+		return true
+	}
+}
+
+// pass is one turn of the loop at time now: it builds the desired state,
+// plans, starts the operations and reports every mount's status. It returns
+// when the next pass is due without a wake-up (zero: not before one).
+func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
+	dsw := r.pop.Populate()
+	r.markPending(dsw, now)
+	if !sameNames(r.names, dsw) {
+		r.names = slices.Sorted(maps.Keys(dsw))
+	}
+	ops, retryAt := planSorted(withTeardowns(r.names, dsw, r.asw), dsw, r.asw, now)
+	ops, verifyAt := r.schedule(ops, dsw, now)
+	if !verifyAt.IsZero() && (retryAt.IsZero() || verifyAt.Before(retryAt)) {
+		retryAt = verifyAt
+	}
+	for _, op := range ops {
+		r.dispatch(op, dsw[op.Mount])
+	}
+	r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
+	return retryAt
+}
+
+// While the first reads are held for (holdForFirstReads), a pass can
+// start nothing but the changes those reads found, and a restart of 1,000
+// mounts made one after each payload that came: 137 passes of 1,000
+// mounts each, half the monitor's CPU on two CPUs that the worker and the
+// store needed to read (BENCHMARKS.md, "A restart's passes paced"). So
+// then the next pass that a wake-up from the populator asks for waits
+// passPaceFactor times the last pass's duration, at most maxPassPace; an
+// operation's result, a ping, a reload or a retry time does not wait.
+const (
+	passPaceFactor = 4
+	maxPassPace    = 5 * time.Millisecond
+)
+
+// passPace returns how long after a pass that took took the next one
+// waits for a wake-up from the populator: 0 once the first reads are done.
+func (r *Reconciler) passPace(took time.Duration) time.Duration {
+	if r.readsDone {
+		return 0
+	}
+	return min(passPaceFactor*took, maxPassPace)
+}
+
+// applyPending applies the operation results that are waiting, without
+// waiting for more.
+func (r *Reconciler) applyPending() {
+	for {
+		select {
+		case res := <-r.results:
+			r.apply(res)
+		default:
+			return
+		}
+	}
+}
+
+// markPending records when a projected mount's desired payload first moved
+// past the one written: the start of its quiescence (see Plan).
+func (r *Reconciler) markPending(dsw DesiredState, now time.Time) {
+	for name, a := range r.asw.Mounts {
+		d := dsw[name]
+		switch {
+		case d == nil || !d.Ready() || a.Generation == d.Generation:
+			a.PendingSince = time.Time{}
+		case a.PendingSince.IsZero():
+			a.PendingSince = now
+		}
+	}
+}
+
+// status returns every desired mount's status, sorted by name.
+// r.names holds dsw's names, sorted (see pass).
+func (r *Reconciler) status(dsw DesiredState) []MountStatus {
+	out := make([]MountStatus, 0, len(dsw))
+	for _, name := range r.names {
+		d := dsw[name]
+		st := MountStatus{Name: name, Dir: d.Spec.Dir, Medium: d.Spec.Medium, Optional: d.Spec.Optional, Waiting: d.Waiting, Stale: d.Stale, Err: d.Err}
+		a := r.asw.Mounts[name]
+		// Collecting a replaced version or verifying the files leaves the
+		// mount's content as it is: only a write takes it out of
+		// projected while it runs.
+		writing := r.asw.InFlight[name] && r.kinds[name] != Collect && r.kinds[name] != Verify
+		st.Projected = a != nil && d.Ready() && a.Generation == d.Generation && !writing
+		if f := r.asw.Failures[name]; f != nil && !st.Projected {
+			st.Err = f.Err
+		}
+		if hb := r.asw.HeldBack[name]; hb != nil && hb.Generation == d.Generation {
+			st.Stale = append(slices.Clip(st.Stale), hb.Err)
+		}
+		out = append(out, st)
+	}
+	return out
+}
+
+// sameNames reports whether names are exactly the keys of dsw.
+func sameNames(names []string, dsw DesiredState) bool {
+	if len(names) != len(dsw) {
+		return false
+	}
+	for _, name := range names {
+		if _, ok := dsw[name]; !ok {
+			return false
+		}
+	}
+	return true
+}
