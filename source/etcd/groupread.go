@@ -108,40 +108,70 @@ func (s *Source) hold(m *member, err error) {
 	m.status(err)
 }
 
-// readMembers reads each of ms on its own, concurrentReads at once, at
-// the latest revision, and publishes them together (publishReads): the
-// group's events from then on are theirs, each from its read's revision
-// (its floor). It returns an error other than a member's own limits,
-// which ends the watch.
+// readMembers reads ms at the latest revision, concurrentReads reads at
+// once (readRuns), and publishes them: the group's events from then on are
+// theirs, each from its read's revision (its floor). It returns an error
+// other than a member's own limits, which ends the watch.
 func (s *Source) readMembers(ctx context.Context, cli *clientv3.Client, ms []*member, revs *revisions) error {
 	var mu sync.Mutex // guards revs
-	pub := &readPublisher{}
 	base := revs.seen
-	eg, ectx := errgroup.WithContext(ctx)
-	eg.SetLimit(concurrentReads)
-	for _, m := range ms {
-		eg.Go(func() error {
-			r, err := s.readMemberAt(ectx, cli, m, 0)
-			if r == nil || err != nil {
-				return err
-			}
-			// Reads run at once and end in any order: each is checked
-			// against what was seen before them all.
-			mu.Lock()
-			check := revisions{seen: base, cluster: revs.cluster}
-			err = check.observe(r.header)
-			revs.seen, revs.cluster = max(revs.seen, check.seen), check.cluster
-			mu.Unlock()
-			if err != nil {
-				return err
-			}
-			pub.add(*r)
-			return nil
-		})
+	pub := &readPublisher{}
+	// Reads run at once and end in any order: each is checked against
+	// what was seen before them all.
+	check := func(h *etcdserverpb.ResponseHeader) error {
+		mu.Lock()
+		defer mu.Unlock()
+		c := revisions{seen: base, cluster: revs.cluster}
+		err := c.observe(h)
+		revs.seen, revs.cluster = max(revs.seen, c.seen), c.cluster
+		return err
 	}
-	if err := eg.Wait(); err != nil {
+	if err := s.readRuns(ctx, cli, ms, 0, check, pub); err != nil {
 		return err
 	}
 	pub.flush()
 	return nil
+}
+
+// readRuns reads ms, sorted by prefix, at rev (0: each read at the
+// latest, which check — unless nil — is given the header of before
+// anything of it is added), concurrentReads reads at once, and adds each
+// member's read to pub. The members are read in runs of up to
+// spanMembers, as many runs as reads at once when they are fewer: a run
+// of several as one span (readSpan), a run of one, or what a span gave
+// up, one member at a time (readMemberAt). A member over its limits is
+// held. It returns the first error other than a member's own limits.
+func (s *Source) readRuns(ctx context.Context, cli *clientv3.Client, ms []*member, rev int64, check func(*etcdserverpb.ResponseHeader) error, pub *readPublisher) error {
+	eg, ectx := errgroup.WithContext(ctx)
+	eg.SetLimit(concurrentReads)
+	per := min(spanMembers, (len(ms)+concurrentReads-1)/concurrentReads)
+	for _, run := range spans(ms, per) {
+		eg.Go(func() error {
+			if len(run) > 1 {
+				rest, err := s.readSpan(ectx, cli, run, rev, check, pub.add)
+				if !errors.Is(err, errSpanAbandoned) {
+					return err
+				}
+				s.log.Debug("reading a span's prefixes one by one", "reason", err, "prefixes", len(rest))
+				run = rest
+			}
+			for _, m := range run {
+				r, err := s.readMemberAt(ectx, cli, m, rev)
+				if r == nil || err != nil {
+					if err != nil {
+						return err
+					}
+					continue
+				}
+				if check != nil {
+					if err := check(r.header); err != nil {
+						return err
+					}
+				}
+				pub.add(*r)
+			}
+			return nil
+		})
+	}
+	return eg.Wait()
 }

@@ -11,7 +11,6 @@ import (
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -171,8 +170,8 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, res
 		m.active.Store(false)
 	}
 	// The first read pins the revision (members over their limits are
-	// held and the next one tries); the others are read at it, several at
-	// once, as a thousand followers each reading its own prefix did.
+	// held and the next one tries); the others are read at it, in spans
+	// of members several at once (readRuns).
 	var first *memberRead
 	for len(members) > 0 && rev == 0 {
 		m := members[0]
@@ -192,18 +191,7 @@ func (s *Source) groupCycle(ctx context.Context, g *group, log *slog.Logger, res
 	if first != nil {
 		pub.add(*first)
 	}
-	eg, ectx := errgroup.WithContext(ctx)
-	eg.SetLimit(concurrentReads)
-	for _, m := range members {
-		eg.Go(func() error {
-			r, err := s.readMemberAt(ectx, cli, m, rev)
-			if r != nil {
-				pub.add(*r)
-			}
-			return err
-		})
-	}
-	if err := eg.Wait(); err != nil {
+	if err := s.readRuns(ctx, cli, members, rev, nil, pub); err != nil {
 		return err
 	}
 	pub.flush()
