@@ -134,9 +134,9 @@ func (s *Source) readMembers(ctx context.Context, cli *clientv3.Client, ms []*me
 }
 
 // readRuns reads ms, sorted by prefix, at rev (0: each read at the
-// latest, which check — unless nil — is given the header of before
-// anything of it is added), concurrentReads reads at once, and adds each
-// member's read to pub. The members are read in runs of up to
+// latest revision), concurrentReads reads at once, and adds each member's
+// read to pub; check, unless nil, is given each read's header before
+// anything it read is added. The members are read in runs of up to
 // spanMembers, as many runs as reads at once when they are fewer: a run
 // of several as one span (readSpan), a run of one, or what a span gave
 // up, one member at a time (readMemberAt). A member over its limits is
@@ -157,11 +157,11 @@ func (s *Source) readRuns(ctx context.Context, cli *clientv3.Client, ms []*membe
 			}
 			for _, m := range run {
 				r, err := s.readMemberAt(ectx, cli, m, rev)
-				if r == nil || err != nil {
-					if err != nil {
-						return err
-					}
-					continue
+				if err != nil {
+					return err
+				}
+				if r == nil {
+					continue // held over its limits
 				}
 				if check != nil {
 					if err := check(r.header); err != nil {

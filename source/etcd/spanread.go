@@ -20,8 +20,8 @@ import (
 // to the end of the last one's, in pages at one revision, each key routed
 // to the members whose prefix it has. Measured on one member with 1,000
 // prefixes of 100 small keys (issue 37), 16 reads at once: 1,000 requests
-// took 250–360 ms and 280–410 ms of etcd's CPU, 16 spans of 63 prefixes
-// 115–160 ms and 130–220 ms.
+// took 248–357 ms and 280–410 ms of etcd's CPU, 20 ranges of 50 prefixes
+// 114–161 ms and 130–220 ms (BENCHMARKS.md, "A group read in spans").
 //
 // A span holds keys of no member — those that sort between two members'
 // prefixes — and reads them for nothing. So a span gives up once it has
@@ -99,11 +99,12 @@ type spanState struct {
 // range at rev (0: the latest, which its first page pins), and emits each
 // member's read as soon as the pages have passed its prefix. check is
 // given the first page's header, unless nil, before anything is emitted;
-// an error from it ends the read. A member over its limits is held (Source.hold) and
-// emits nothing. When the span gives up (errSpanAbandoned: too many keys
-// of no member, or a page over its budget) it returns the members it has
-// neither emitted nor held, to be read on their own; otherwise it returns
-// none. A compacted rev is a resync.
+// an error from it ends the read. A member over its limits is held
+// (Source.hold) once a page takes it past them, and emits nothing. When
+// the span gives up (errSpanAbandoned: too many keys of no member, or a
+// page over its budget) it returns the members it has neither emitted nor
+// held, to be read on their own; otherwise it returns none. A compacted
+// rev is a resync.
 func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*member, rev int64, check func(*etcdserverpb.ResponseHeader) error, emit func(memberRead)) (rest []*member, err error) {
 	states := make([]*spanState, len(ms))
 	byPrefix := make(map[string][]*spanState, len(ms))
