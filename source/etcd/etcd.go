@@ -106,6 +106,10 @@ type Source struct {
 	regroupBy       time.Time
 	refusedPrefixes []string
 	closed          bool
+	// spansRefused is set once etcd refused a span's range for want of
+	// permission (spanread.go): each prefix is read on its own from then
+	// on.
+	spansRefused atomic.Bool
 }
 
 var _ source.Source = (*Source)(nil)

@@ -230,13 +230,41 @@ func TestHeldMemberLeavesTheOthers(t *testing.T) {
 // the prefix they share, still follows them — each on a watch of its own,
 // said in the log.
 func TestGroupRefusedByAuthorization(t *testing.T) {
-	srv, cli := etcdtest.Start(t)
-	ctx := context.Background()
 	// Ten branches: more than maxWatches, so grouped under /auth/p.
 	var prefixes []string
 	for i := range 10 {
 		prefixes = append(prefixes, fmt.Sprintf("/auth/p%d/", i))
 	}
+	logs := followGranted(t, prefixes)
+	if logs.Count("etcd refuses a watch of the prefix the group's mounts share") == 0 {
+		t.Errorf("the refusal is not in the log:\n%s", logs)
+	}
+}
+
+// TestSpanRefusedByAuthorization: the same user and 40 prefixes, which a
+// start reads in spans: etcd refuses a span's range, which no grant covers,
+// and the prefixes are read one by one from then on, said in the log once.
+func TestSpanRefusedByAuthorization(t *testing.T) {
+	// Ten branches after /auth/: one group of 40, read in spans of 3.
+	var prefixes []string
+	for c := 'a'; c <= 'j'; c++ {
+		for d := range 4 {
+			prefixes = append(prefixes, fmt.Sprintf("/auth/%c%d/", c, d))
+		}
+	}
+	logs := followGranted(t, prefixes)
+	if n := logs.Count("etcd refuses a read across the mounts' prefixes"); n != 1 {
+		t.Errorf("the refusal of a span is in the log %d times; want once:\n%s", n, logs)
+	}
+}
+
+// followGranted follows prefixes as a user granted each of them alone,
+// each holding k=1, and checks that each gets its key, then a write; it
+// returns the source's log.
+func followGranted(t *testing.T, prefixes []string) *testlog.Buffer {
+	t.Helper()
+	srv, cli := etcdtest.Start(t)
+	ctx := context.Background()
 	steps := []func() error{
 		func() error { _, err := cli.UserAdd(ctx, "root", "rootpw"); return err },
 		func() error { _, err := cli.UserGrantRole(ctx, "root", "root"); return err },
@@ -287,7 +315,5 @@ func TestGroupRefusedByAuthorization(t *testing.T) {
 	for _, rec := range recs {
 		rec.WaitFor(t, "the write", sourcetest.Holds(map[string]string{"k": "2"}))
 	}
-	if logs.Count("etcd refuses a watch of the prefix the group's mounts share") == 0 {
-		t.Errorf("the refusal is not in the log:\n%s", logs)
-	}
+	return logs
 }

@@ -145,14 +145,23 @@ func (s *Source) readRuns(ctx context.Context, cli *clientv3.Client, ms []*membe
 	eg, ectx := errgroup.WithContext(ctx)
 	eg.SetLimit(concurrentReads)
 	per := min(spanMembers, (len(ms)+concurrentReads-1)/concurrentReads)
+	if s.spansRefused.Load() {
+		per = 1
+	}
 	for _, run := range spans(ms, per) {
 		eg.Go(func() error {
 			if len(run) > 1 {
 				rest, err := s.readSpan(ectx, cli, run, rev, check, pub.add)
-				if !errors.Is(err, errSpanAbandoned) {
+				switch {
+				case errors.Is(err, errSpanRefused):
+					if s.spansRefused.CompareAndSwap(false, true) {
+						s.log.Warn("etcd refuses a read across the mounts' prefixes (authorization): each is read on its own from now on", "err", err)
+					}
+				case errors.Is(err, errSpanAbandoned):
+					s.log.Debug("reading a span's prefixes one by one", "reason", err, "prefixes", len(rest))
+				default:
 					return err
 				}
-				s.log.Debug("reading a span's prefixes one by one", "reason", err, "prefixes", len(rest))
 				run = rest
 			}
 			for _, m := range run {

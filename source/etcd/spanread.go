@@ -29,7 +29,9 @@ import (
 // whose page etcd cannot send within its budget (large values): its
 // members not read yet are then read on their own, as before, by
 // listPrefix, which knows how to read large values and to refuse a prefix
-// of too many keys by its count.
+// of too many keys by its count. A span that etcd's authorization refuses
+// (a user granted each prefix alone) is read so too, and so is every
+// prefix of the source from then on (Source.spansRefused).
 
 // spanMembers is the most members one span covers.
 const spanMembers = 64
@@ -43,8 +45,14 @@ const (
 )
 
 // errSpanAbandoned ends a span read that read too much for none of its
-// members, or met a page larger than its budget.
+// members, met a page larger than its budget, or was refused for want of
+// permission (errSpanRefused).
 var errSpanAbandoned = errors.New("span read abandoned")
+
+// errSpanRefused is etcd's refusal of a span's range for want of
+// permission: a user granted each prefix alone (a role per prefix) may
+// read no range across them.
+var errSpanRefused = errors.New("etcd refuses a read across the mounts' prefixes (authorization)")
 
 // spans splits ms, sorted by prefix, into runs of at most per members
 // (at least one) whose prefixes are read together; a member whose prefix
@@ -141,6 +149,8 @@ func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*membe
 		switch {
 		case errors.Is(err, errPageTooLarge):
 			return unfinished(), fmt.Errorf("%w: %w", errSpanAbandoned, err)
+		case err != nil && permissionDenied(err):
+			return unfinished(), fmt.Errorf("%w: %w: %w", errSpanAbandoned, errSpanRefused, err)
 		case errors.Is(err, rpctypes.ErrCompacted):
 			return nil, fmt.Errorf("%w: revision compacted during read", errResync)
 		case err != nil:
