@@ -732,3 +732,45 @@ func selfSigned(t *testing.T, dir string) (cert, key string) {
 	}
 	return cert, key
 }
+
+// plainSettings are the settings of a source kind that reaches its store
+// over plain TCP.
+type plainSettings struct{}
+
+func (plainSettings) PlainTCP() []string { return []string{"http://127.0.0.1:2379"} }
+
+// TestPlainTCPWarnedOncePerSource: mounts of root's fed over plain TCP are
+// one warning per source, at the first mount's source, naming the first
+// three and counting the rest — not one per mount, a thousand at each
+// start of a daemon of a thousand mounts; a mount of a user's is none of
+// them.
+func TestPlainTCPWarnedOncePerSource(t *testing.T) {
+	kinds := map[string]SourceDecoder{"plain": func(*Section) any { return plainSettings{} }}
+	var toml strings.Builder
+	toml.WriteString("[sources.tcp]\ntype = \"plain\"\n[sources.other]\ntype = \"plain\"\n")
+	for _, m := range []string{"a", "b", "c", "d", "e"} {
+		fmt.Fprintf(&toml, "[[mount]]\nname = %q\ndir = \"/srv/%s\"\nsource = \"tcp\"\nprefix = \"%s/\"\n", m, m, m)
+	}
+	toml.WriteString("[[mount]]\nname = \"users\"\ndir = \"/srv/users\"\nuser = \"65534\"\nsource = \"other\"\nprefix = \"u/\"\n")
+	toml.WriteString("[[mount]]\nname = \"f\"\ndir = \"/srv/f\"\nsource = \"other\"\nprefix = \"f/\"\n")
+	cfg, err := Parse("k.toml", []byte(toml.String()), kinds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, w := range cfg.Warnings {
+		got = append(got, w.Error())
+	}
+	want := []string{
+		"k.toml:8: mount[0].source: mounts a, b, c and 2 more are root's, and source tcp feeds them over plain TCP (http://127.0.0.1:2379): a local user who takes that port while the store is down, or before it is up at boot, chooses their content;",
+		"k.toml:39: mount[6].source: mount f is root's, and source other feeds it over plain TCP (http://127.0.0.1:2379): a local user who takes that port while the store is down, or before it is up at boot, chooses its content;",
+	}
+	if len(got) != len(want) {
+		t.Fatalf("warnings %q; want %d", got, len(want))
+	}
+	for i := range want {
+		if !strings.HasPrefix(got[i], want[i]) {
+			t.Errorf("warning %d: %q; want it to start %q", i, got[i], want[i])
+		}
+	}
+}

@@ -192,7 +192,8 @@ func checkDir(dir string) error {
 // dirs that overlap the state directory. Each pair is reported once, on the
 // later mount. It looks up each dir's ancestors among the others' dirs, so
 // that 1,000 mounts cost 1,000 walks up a path rather than 500,000
-// comparisons.
+// comparisons. It warns once for each source that feeds mounts of root's
+// over plain TCP (plainFeed).
 func checkMounts(mounts []*Section, cfg *Config) {
 	names := map[string]int{}
 	dirs := map[string]int{} // cleaned dir -> first mount with it
@@ -204,6 +205,7 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			dirs[filepath.Clean(m.Dir)] = i
 		}
 	}
+	feeds, order := map[string]*plainFeed{}, []string(nil)
 	for i, m := range cfg.Mounts {
 		sec := mounts[i]
 		if j, dup := names[m.Name]; dup && m.Name != "" {
@@ -217,7 +219,7 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			sec.Errorf("dir", "%q overlaps state_dir %q", m.Dir, cfg.StateDir)
 		}
 		if m.UID <= 0 {
-			warnPlainTCP(sec, m, cfg)
+			notePlainTCP(feeds, &order, sec, m, cfg)
 		}
 		clean := filepath.Clean(m.Dir)
 		if j := dirs[clean]; j != i {
@@ -234,6 +236,9 @@ func checkMounts(mounts []*Section, cfg *Config) {
 				break
 			}
 		}
+	}
+	for _, source := range order {
+		feeds[source].warn()
 	}
 }
 

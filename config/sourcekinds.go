@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"strings"
 
 	"github.com/kvmount/kvmount/origin"
@@ -34,9 +35,21 @@ func sourceSettings(src *Source) any {
 	return src.Settings
 }
 
-// warnPlainTCP warns at the source of m, a mount of root's, fed by a
-// source that reaches its store over plain TCP (PlainTCP).
-func warnPlainTCP(sec *Section, m *Mount, cfg *Config) {
+// plainFeed is a source that reaches its store over plain TCP
+// (PlainTCP) and feeds mounts of root's: the mounts, by name, in the
+// order of the file, and the section and key of the first, where the
+// warning goes.
+type plainFeed struct {
+	source, endpoints string
+	first             *Section
+	key               string
+	mounts            []string
+}
+
+// notePlainTCP adds m, a mount of root's in sec, to the feeds of its
+// sources that reach their store over plain TCP; order keeps the sources
+// in the order first met.
+func notePlainTCP(feeds map[string]*plainFeed, order *[]string, sec *Section, m *Mount, cfg *Config) {
 	key := "source"
 	if sec.Has("projections") {
 		key = "projections"
@@ -46,16 +59,47 @@ func warnPlainTCP(sec *Section, m *Mount, cfg *Config) {
 		if !ok {
 			continue
 		}
-		if p, ok := src.Settings.(PlainTCP); ok {
-			if eps := p.PlainTCP(); len(eps) > 0 {
-				shown := make([]string, len(eps))
-				for i, ep := range eps {
-					shown[i] = origin.Redact(ep) // a query may carry a token
-				}
-				sec.Warnf(key, "mount %s is root's, and source %s feeds it over plain TCP (%s): a local user who takes that port while the store is down, or before it is up at boot, chooses its content; use TLS with a CA (tls.ca_file), a unix socket, or peer_user", m.Name, pr.Source, strings.Join(shown, ", "))
+		p, ok := src.Settings.(PlainTCP)
+		if !ok {
+			continue
+		}
+		eps := p.PlainTCP()
+		if len(eps) == 0 {
+			continue
+		}
+		f := feeds[pr.Source]
+		if f == nil {
+			shown := make([]string, len(eps))
+			for i, ep := range eps {
+				shown[i] = origin.Redact(ep) // a query may carry a token
 			}
+			f = &plainFeed{source: pr.Source, endpoints: strings.Join(shown, ", "), first: sec, key: key}
+			feeds[pr.Source] = f
+			*order = append(*order, pr.Source)
+		}
+		if n := len(f.mounts); n == 0 || f.mounts[n-1] != m.Name {
+			f.mounts = append(f.mounts, m.Name)
 		}
 	}
+}
+
+// plainTCPShown is how many mounts a warning of plainFeed names before it
+// counts the rest.
+const plainTCPShown = 3
+
+// warn warns once for f, at its first mount's source: a thousand mounts
+// of one source are one warning, not a thousand at each start.
+func (f *plainFeed) warn() {
+	const risk = "a local user who takes that port while the store is down, or before it is up at boot, chooses %s; use TLS with a CA (tls.ca_file), a unix socket, or peer_user"
+	if len(f.mounts) == 1 {
+		f.first.Warnf(f.key, "mount %s is root's, and source %s feeds it over plain TCP (%s): "+risk, f.mounts[0], f.source, f.endpoints, "its content")
+		return
+	}
+	names := strings.Join(f.mounts[:min(len(f.mounts), plainTCPShown)], ", ")
+	if more := len(f.mounts) - plainTCPShown; more > 0 {
+		names += fmt.Sprintf(" and %d more", more)
+	}
+	f.first.Warnf(f.key, "mounts %s are root's, and source %s feeds them over plain TCP (%s): "+risk, names, f.source, f.endpoints, "their content")
 }
 
 // PlainTCP is implemented by source settings that can reach their store
