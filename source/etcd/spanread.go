@@ -167,13 +167,12 @@ func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*membe
 		// Each member's keys of the page, in order.
 		page := map[*spanState][]*mvccpb.KeyValue{}
 		for _, kv := range resp.Kvs {
-			k := string(kv.Key)
 			taken := false
 			for _, n := range lengths {
-				if n > len(k) {
+				if n > len(kv.Key) {
 					break
 				}
-				for _, st := range byPrefix[k[:n]] {
+				for _, st := range byPrefix[string(kv.Key[:n])] { // no copy: a map index
 					if !st.done {
 						page[st] = append(page[st], kv)
 						taken = true
