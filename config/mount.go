@@ -205,7 +205,7 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			dirs[filepath.Clean(m.Dir)] = i
 		}
 	}
-	feeds, order := map[string]*plainFeed{}, []string(nil)
+	var feeds []*plainFeed
 	for i, m := range cfg.Mounts {
 		sec := mounts[i]
 		if j, dup := names[m.Name]; dup && m.Name != "" {
@@ -219,7 +219,7 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			sec.Errorf("dir", "%q overlaps state_dir %q", m.Dir, cfg.StateDir)
 		}
 		if m.UID <= 0 {
-			notePlainTCP(feeds, &order, sec, m, cfg)
+			feeds = notePlainTCP(feeds, sec, m, cfg)
 		}
 		clean := filepath.Clean(m.Dir)
 		if j := dirs[clean]; j != i {
@@ -237,8 +237,8 @@ func checkMounts(mounts []*Section, cfg *Config) {
 			}
 		}
 	}
-	for _, source := range order {
-		feeds[source].warn()
+	for _, f := range feeds {
+		f.warn()
 	}
 }
 

@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/kvmount/kvmount/origin"
@@ -47,9 +48,9 @@ type plainFeed struct {
 }
 
 // notePlainTCP adds m, a mount of root's in sec, to the feeds of its
-// sources that reach their store over plain TCP; order keeps the sources
-// in the order first met.
-func notePlainTCP(feeds map[string]*plainFeed, order *[]string, sec *Section, m *Mount, cfg *Config) {
+// sources that reach their store over plain TCP, and returns feeds, a
+// source's feed added when first met.
+func notePlainTCP(feeds []*plainFeed, sec *Section, m *Mount, cfg *Config) []*plainFeed {
 	key := "source"
 	if sec.Has("projections") {
 		key = "projections"
@@ -67,20 +68,19 @@ func notePlainTCP(feeds map[string]*plainFeed, order *[]string, sec *Section, m 
 		if len(eps) == 0 {
 			continue
 		}
-		f := feeds[pr.Source]
-		if f == nil {
+		i := slices.IndexFunc(feeds, func(f *plainFeed) bool { return f.source == pr.Source })
+		if i < 0 {
 			shown := make([]string, len(eps))
-			for i, ep := range eps {
-				shown[i] = origin.Redact(ep) // a query may carry a token
+			for j, ep := range eps {
+				shown[j] = origin.Redact(ep) // a query may carry a token
 			}
-			f = &plainFeed{source: pr.Source, endpoints: strings.Join(shown, ", "), first: sec, key: key}
-			feeds[pr.Source] = f
-			*order = append(*order, pr.Source)
+			i, feeds = len(feeds), append(feeds, &plainFeed{source: pr.Source, endpoints: strings.Join(shown, ", "), first: sec, key: key})
 		}
-		if n := len(f.mounts); n == 0 || f.mounts[n-1] != m.Name {
+		if f := feeds[i]; len(f.mounts) == 0 || f.mounts[len(f.mounts)-1] != m.Name {
 			f.mounts = append(f.mounts, m.Name)
 		}
 	}
+	return feeds
 }
 
 // plainTCPShown is how many mounts a warning of plainFeed names before it
