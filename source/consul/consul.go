@@ -176,6 +176,10 @@ type Source struct {
 	// unhealthy is the liveness probe's failure, nil while it passes
 	// (liveness.go).
 	unhealthy error
+	// passed is closed, and replaced, whenever the liveness probe
+	// passes: a query waiting out its backoff after the store's own
+	// failure tries again then (nextPass).
+	passed chan struct{}
 }
 
 var _ source.Source = (*Source)(nil)
@@ -228,7 +232,7 @@ func New(name string, cfg *Config, log *slog.Logger) (*Source, error) {
 	if err != nil {
 		return nil, fmt.Errorf("source/consul: %w", err)
 	}
-	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, highest: map[string]uint64{}}
+	s := &Source{name: name, cfg: cfg, log: log, client: client, transport: transport, lists: map[string]*listing{}, highest: map[string]uint64{}, passed: make(chan struct{})}
 	s.fanout = source.NewFanout(s.watch)
 	return s, nil
 }

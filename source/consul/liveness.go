@@ -35,6 +35,18 @@ import (
 // what changed meanwhile is read before the source is reported current.
 // While failing, the probe runs twice as often, so that a heal is seen
 // within half an interval.
+//
+// A query that failed by the store's fault — an answer of 5xx, none at
+// all, a server without a leader — waits out the sources' backoff
+// (source.NewBackoff), or until the probe next passes, whichever comes
+// first: when the quorum comes back, a leader is elected and the agent's
+// connections to it are made anew, queries that fail for a second or two
+// after the probe passed again would otherwise wait 2, 4, 8 s before
+// their next try, where the cluster serves within one probe interval. So
+// a query tries again at most once per probe_interval beside its
+// backoff, and only while the probe passes. An answer of 4xx (a token
+// refused, a rate limit) or a response past the mounts' limits is the
+// request's own, not the store's: its query keeps to its backoff alone.
 
 // Liveness defaults.
 const (
@@ -150,6 +162,9 @@ func (s *Source) liveness(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		if err == nil {
+			s.notePass()
+		}
 		if (err != nil) != failing {
 			failing = err != nil
 			s.setHealth(err)
@@ -181,4 +196,51 @@ func (s *Source) setHealth(err error) {
 	if s.regroup != nil {
 		s.regroup()
 	}
+}
+
+// notePass wakes the queries waiting for the probe's next pass (nextPass).
+func (s *Source) notePass() {
+	s.mu.Lock()
+	close(s.passed)
+	s.passed = make(chan struct{})
+	s.mu.Unlock()
+}
+
+// nextPass returns a channel closed when the liveness probe next passes.
+func (s *Source) nextPass() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.passed
+}
+
+// backOff waits d after a query's failure err, or less when err is the
+// store's fault and the liveness probe passes meanwhile (the package
+// comment says why); it reports false when ctx ends first.
+func (s *Source) backOff(ctx context.Context, d time.Duration, err error) bool {
+	var passed <-chan struct{}
+	if storeFault(err) {
+		passed = s.nextPass()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-passed:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// storeFault reports whether a query's failure err is the store's — no
+// answer, or an answer of 5xx — rather than the request's own: an answer
+// of 4xx (a token refused, 429's rate limit) or one past the mounts'
+// limits (source.ErrOverLimits), which no sooner try would change.
+func storeFault(err error) bool {
+	if errors.Is(err, source.ErrOverLimits) {
+		return false
+	}
+	code := statusOf(err)
+	return code == 0 || code >= 500
 }

@@ -242,3 +242,59 @@ func TestLeaderlessAnswerIsStale(t *testing.T) {
 		})
 	}
 }
+
+// TestStoreFaultRetriedAtProbePass: a query that the store fails (500)
+// while the liveness probe passes — as for a second or two after a lost
+// quorum comes back — tries again at the probe's next pass, not after a
+// backoff grown to seconds: five failures in a row are over within 5 s
+// (the backoff alone takes 15 s: 0.5, 1, 2, 4 and 8). A query refused
+// for its own sake (403, a token refused) keeps to its backoff: at most
+// 4 tries in 3 s, where the probe passes 30 times.
+func TestStoreFaultRetriedAtProbePass(t *testing.T) {
+	for _, tc := range []struct {
+		code       int
+		storeFault bool
+	}{{http.StatusInternalServerError, true}, {http.StatusForbidden, false}} {
+		t.Run(fmt.Sprint(tc.code), func(t *testing.T) {
+			const failures = 5
+			var lists atomic.Int64
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				w.Header().Set("X-Consul-KnownLeader", "true")
+				w.Header().Set("X-Consul-LastContact", "0")
+				w.Header().Set("X-Consul-Index", "4")
+				if !r.URL.Query().Has("recurse") {
+					w.WriteHeader(http.StatusNotFound) // the probe's read: it passes
+					return
+				}
+				if lists.Add(1) <= failures {
+					http.Error(w, "rpc error making call: No cluster leader", tc.code)
+					return
+				}
+				if r.URL.Query().Get("index") == "4" {
+					select {
+					case <-r.Context().Done():
+						return
+					case <-time.After(time.Second):
+					}
+				}
+				fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":4}]`)
+			}))
+			t.Cleanup(srv.Close)
+			cfg := watchConfig(strings.TrimPrefix(srv.URL, "http://"))
+			cfg.ProbeInterval = 100 * time.Millisecond
+			start := time.Now()
+			rec := follow(t, cfg, "m/")
+			if !tc.storeFault {
+				time.Sleep(3 * time.Second)
+				if n := lists.Load(); n > 4 {
+					t.Errorf("%d listings in 3 s, refused with %d while the probe passed; want at most 4 (the backoff's)", n, tc.code)
+				}
+				return
+			}
+			rec.WaitFor(t, "snapshot", sourcetest.Holds(map[string]string{"a": "1"}))
+			if took := time.Since(start); took > 5*time.Second {
+				t.Errorf("snapshot %v after %d failures of the store while the probe passed; want within 5 s", took.Round(time.Millisecond), failures)
+			}
+		})
+	}
+}

@@ -304,7 +304,7 @@ func (s *Source) query(ctx context.Context, parent string) {
 			s.log.Warn("source unavailable, keeping last content", "prefix", parent, "err", err)
 			s.set(&listing{parent: parent, err: err})
 			index = 0
-			if !source.Sleep(ctx, bo.NextBackOff()) {
+			if !s.backOff(ctx, bo.NextBackOff(), err) {
 				return
 			}
 			continue
