@@ -323,6 +323,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 			return Change{}, err
 		}
 	}
+	w.recallCurrent()
 	change := Diff(nil, payload)
 	if w.current != nil {
 		if w.current.holds(payload) && !w.rebuildDirs {

@@ -208,35 +208,29 @@ func (w *AtomicWriter) verify() error {
 	if target != w.current.name {
 		return fmt.Errorf("%s points at %q, want %q", DataDirName, target, w.current.name)
 	}
-	if w.current.payload == nil {
-		// Known from its manifest only (no Write since Adopt): compare
-		// that with the disk again.
-		if _, err := w.adoptManifest(target); err != nil {
+	if w.current.forgotten {
+		// Forgotten after its write (ForgetPayload): every byte is
+		// compared with the hashes of its manifest, which root alone can
+		// write; what matches is the payload written.
+		if !w.recallCurrent() {
+			return errors.New("the manifest of the current version cannot be read")
+		}
+		disk, _, err := w.readVersion(target)
+		if err == nil {
+			err = w.current.manifest.sameBytes(disk)
+		}
+		if err != nil {
+			w.dropManifest(target)
 			return err
 		}
-		return nil
-	}
-	disk, _, err := w.readVersion(target)
-	if err != nil {
-		w.dropManifest(target)
+		w.current.payload, w.current.manifest = disk, nil
+	} else if w.current.payload == nil {
+		// Known from its manifest only (no Write since Adopt): compare
+		// that with the disk again.
+		_, err := w.adoptManifest(target)
 		return err
-	}
-	for _, name := range w.current.payload.Paths() {
-		got, ok := disk[name]
-		if !ok {
-			w.dropManifest(target)
-			return fmt.Errorf("%s is missing", untrusted.Escape(name))
-		}
-		if !got.Equal(w.current.payload[name]) {
-			// The bytes read overrule the manifest, which still matches
-			// by size, mode, owner and inode: an edit in place.
-			w.dropManifest(target)
-			return fmt.Errorf("%s differs", untrusted.Escape(name))
-		}
-	}
-	if len(disk) != len(w.current.payload) {
-		w.dropManifest(target)
-		return fmt.Errorf("version holds %d files, want %d", len(disk), len(w.current.payload))
+	} else if err := w.sameAsPayload(target); err != nil {
+		return err
 	}
 	if err := w.checkManifest(); err != nil {
 		return err
@@ -261,6 +255,34 @@ func (w *AtomicWriter) verify() error {
 	}
 	for name := range want {
 		return fmt.Errorf("visible entry %s is missing", name)
+	}
+	return nil
+}
+
+// sameAsPayload compares the version target, the current one, byte for
+// byte with its payload.
+func (w *AtomicWriter) sameAsPayload(target string) error {
+	disk, _, err := w.readVersion(target)
+	if err != nil {
+		w.dropManifest(target)
+		return err
+	}
+	for _, name := range w.current.payload.Paths() {
+		got, ok := disk[name]
+		if !ok {
+			w.dropManifest(target)
+			return fmt.Errorf("%s is missing", untrusted.Escape(name))
+		}
+		if !got.Equal(w.current.payload[name]) {
+			// The bytes read overrule the manifest, which still matches
+			// by size, mode, owner and inode: an edit in place.
+			w.dropManifest(target)
+			return fmt.Errorf("%s differs", untrusted.Escape(name))
+		}
+	}
+	if len(disk) != len(w.current.payload) {
+		w.dropManifest(target)
+		return fmt.Errorf("version holds %d files, want %d", len(disk), len(w.current.payload))
 	}
 	return nil
 }

@@ -9,6 +9,8 @@ import (
 	"slices"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvmount/kvmount/untrusted"
 )
 
 // adoptManifest adopts the version name from its manifest: it reads and
@@ -155,6 +157,86 @@ func (w *AtomicWriter) pruneManifests(keep ...string) error {
 		if err := unix.Unlinkat(fd, name, 0); err != nil && !errors.Is(err, unix.ENOENT) {
 			return fmt.Errorf("atomic writer: remove manifest %s: %w", name, err)
 		}
+	}
+	return nil
+}
+
+// ForgetPayload drops what the writer holds in memory of the current
+// version's files — its payload, or its manifest — and of the replaced
+// versions kept for readers, keeping the current version's number of
+// files (Files). The version's manifest on disk, written and fsynced
+// before the switch to it, says the rest: the next Write or Verify reads
+// it again (recall), one decode and no byte of the files. A monitor that
+// holds no payload at rest calls it after each write, so that 1,000
+// mounts of 100 keys are not held twice in memory, once by the worker
+// that reads them and once here. It reports whether the writer forgot:
+// not with no manifest directory (WriterOptions.ManifestDir), nor for a
+// version without a manifest (written by an older kvmount) or none at
+// all.
+func (w *AtomicWriter) ForgetPayload() bool {
+	v := w.current
+	if v == nil || w.manifests == nil || v.noManifest {
+		return false
+	}
+	if !v.forgotten {
+		v.forget()
+	}
+	for _, r := range w.retired {
+		if !r.noManifest && !r.forgotten {
+			r.forget()
+		}
+	}
+	return true
+}
+
+// recall reads again the manifest of a version the writer forgot
+// (ForgetPayload), and reports whether it did. A manifest that cannot be
+// read (removed by hand, torn) leaves v unknown: recall returns false, and
+// a current version is then written anew by the next Write, which removes
+// the rest as leftovers, as after drift.
+func (w *AtomicWriter) recall(v *version) bool {
+	if v == nil || !v.forgotten {
+		return false
+	}
+	m, err := w.readManifest(v.name)
+	if err != nil || len(m.Files) != v.count {
+		return false
+	}
+	v.manifest, v.forgotten = m, false
+	return true
+}
+
+// recallCurrent recalls the current version (recall), and forgets it as
+// unknown when its manifest cannot be read. It reports whether the
+// current version was recalled.
+func (w *AtomicWriter) recallCurrent() bool {
+	v := w.current
+	if v == nil || !v.forgotten {
+		return false
+	}
+	if !w.recall(v) {
+		w.current = nil
+		w.setVisible(nil)
+		return false
+	}
+	return true
+}
+
+// sameBytes reports why disk, a version's files as read, is not what the
+// manifest m records — a file missing, one whose bytes, size, mode or
+// owner differ (by hash), one more — or nil when it is.
+func (m *manifest) sameBytes(disk Payload) error {
+	for _, e := range m.Files {
+		got, ok := disk[e.Path]
+		if !ok {
+			return fmt.Errorf("%s is missing", untrusted.Escape(e.Path))
+		}
+		if !e.sameFile(got) {
+			return fmt.Errorf("%s differs", untrusted.Escape(e.Path))
+		}
+	}
+	if len(disk) != len(m.Files) {
+		return fmt.Errorf("version holds %d files, want %d", len(disk), len(m.Files))
 	}
 	return nil
 }

@@ -132,6 +132,7 @@ func (w *AtomicWriter) removeVersionDir(v *version, dirs dirHandles) error {
 		dirs["."] = d
 		defer dirs.close()
 	}
+	w.recall(v) // a forgotten version's files, from its manifest
 	for _, p := range v.paths() {
 		d := dirs.open(path.Dir(p))
 		if d == nil {

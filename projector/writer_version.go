@@ -21,6 +21,12 @@ type version struct {
 	// (written by an older kvmount): the next Write that finds it
 	// unchanged adds one.
 	noManifest bool
+	// forgotten is set while neither payload nor manifest is held
+	// (AtomicWriter.ForgetPayload): the manifest on disk says what the
+	// version holds, and is read again when needed (recall). count is
+	// then its number of files.
+	forgotten bool
+	count     int
 }
 
 // topLevel returns the first path elements of v's files.
@@ -38,6 +44,9 @@ func (v *version) topLevel() map[string]bool {
 
 // files returns how many files v holds.
 func (v *version) files() int {
+	if v.forgotten {
+		return v.count
+	}
 	if v.payload == nil && v.manifest != nil {
 		return len(v.manifest.Files)
 	}
@@ -119,4 +128,11 @@ func (v *version) contains(p string) bool {
 	}
 	_, ok := v.payload[p]
 	return ok
+}
+
+// forget drops what v holds in memory of its files, keeping their count:
+// its manifest on disk says the rest (AtomicWriter.recall).
+func (v *version) forget() {
+	v.count = v.files()
+	v.payload, v.manifest, v.forgotten = nil, nil, true
 }
