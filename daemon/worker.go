@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"runtime/debug"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"syscall"
 
@@ -90,6 +91,10 @@ type worker struct {
 	confined atomic.Bool
 	// webhooks delivers the webhooks the monitor hands over.
 	webhooks *http.Client
+	// resends are the mounts whose payload the monitor asked for again
+	// (privsep.Resend), until the loop rebuilds them.
+	resendMu sync.Mutex
+	resends  map[string]bool
 }
 
 // workerProcs returns the worker's GOMAXPROCS when the process would have
@@ -128,12 +133,16 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
 	go func() {
-		readErr <- w.link.Serve(ctx, func(a *privsep.Apply, inputs map[string][]byte) {
-			select {
-			case applies <- applyRequest{apply: a, inputs: inputs}:
-			case <-ctx.Done():
-			}
-		}, w.post)
+		readErr <- w.link.Serve(ctx, privsep.MonitorHandlers{
+			Apply: func(a *privsep.Apply, inputs map[string][]byte) {
+				select {
+				case applies <- applyRequest{apply: a, inputs: inputs}:
+				case <-ctx.Done():
+				}
+			},
+			Post:   w.post,
+			Resend: w.askResend,
+		})
 	}()
 	defer w.close()
 	for {
@@ -160,6 +169,7 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 		case <-w.trigger:
 		}
 		if w.pop != nil {
+			w.rebuildAsked()
 			if err := w.publish(); err != nil {
 				return err
 			}
@@ -177,6 +187,32 @@ func (w *worker) post(ctx context.Context, m *privsep.Post) {
 		answer.Err = clip(err.Error(), privsep.MaxDetailLen)
 	}
 	_ = w.link.Send(answer)
+}
+
+// askResend takes the monitor's request for mount's payload again
+// (privsep.Resend), on the goroutine that reads the monitor: the loop
+// has it rebuilt (rebuildAsked). At most one request per mount waits.
+func (w *worker) askResend(mount string) {
+	w.resendMu.Lock()
+	if w.resends == nil {
+		w.resends = map[string]bool{}
+	}
+	w.resends[mount] = true
+	w.resendMu.Unlock()
+	w.trigger.Fire()
+}
+
+// rebuildAsked has the populator build anew, from its snapshots, the
+// payload of every mount the monitor asked for again; publish sends it
+// as a new generation. A mount not configured is ignored.
+func (w *worker) rebuildAsked() {
+	w.resendMu.Lock()
+	asked := w.resends
+	w.resends = nil
+	w.resendMu.Unlock()
+	for mount := range asked {
+		w.pop.Rebuild(mount)
+	}
 }
 
 // apply runs the configuration req gives: the first one confines the

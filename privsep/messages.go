@@ -60,6 +60,7 @@ const (
 	typeApply      = 13
 	typePost       = 14
 	typePosted     = 15
+	typeResend     = 16
 )
 
 // kind is what the decoder knows of a message type: its sender, the
@@ -119,6 +120,9 @@ var messageKinds = map[byte]kind{
 	}},
 	typePosted: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser) Message {
 		return &Posted{Seq: p.uint32(), Err: p.string(MaxDetailLen)}
+	}},
+	typeResend: {FromMonitor, 2 + MaxNameLen, func(p *parser) Message {
+		return &Resend{Mount: p.string(MaxNameLen)}
 	}},
 }
 
@@ -219,6 +223,14 @@ type Apply struct {
 	Config string
 }
 
+// Resend (monitor) asks the worker for Mount's payload again: the monitor
+// keeps none once written (Remote.Release), and needs it to repair drift.
+// The worker builds it anew from its snapshots and sends it as any other
+// (a MountState of a new generation, then the payload).
+type Resend struct {
+	Mount string
+}
+
 // Post (monitor) has the worker deliver a webhook (notify.Webhook):
 // POST Body to URL with Header (name and value in turn), within Timeout;
 // the worker answers with Posted Seq. A webhook's response is read by
@@ -253,6 +265,7 @@ func (*Input) msgType() byte      { return typeInput }
 func (*Apply) msgType() byte      { return typeApply }
 func (*Post) msgType() byte       { return typePost }
 func (*Posted) msgType() byte     { return typePosted }
+func (*Resend) msgType() byte     { return typeResend }
 
 func (m *Begin) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
@@ -371,5 +384,11 @@ func (m *Posted) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
 	w.uint32(m.Seq)
 	w.string(m.Err, MaxDetailLen)
+	return w.b, w.err
+}
+
+func (m *Resend) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
 	return w.b, w.err
 }

@@ -104,6 +104,7 @@ func TestRoundTrip(t *testing.T) {
 		&Input{Name: "/etc/kvmount/kvmount.toml", Value: []byte(big)},
 		&Apply{Seq: 9, Config: "/etc/kvmount/kvmount.toml"},
 		&Post{Seq: 3, URL: "http://127.0.0.1:8080/hook", Target: "127.0.0.1:8080", Header: []string{"Authorization", "Bearer t"}, Body: []byte(`{"mount":"app"}`), Timeout: 10 * time.Second},
+		&Resend{Mount: "app"},
 	}
 	for _, dir := range []struct {
 		from Side

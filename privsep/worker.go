@@ -96,12 +96,25 @@ func (l *MonitorLink) QueuePayload(st *MountState, payload projector.Payload) er
 	return l.enc.Encode(&Commit{})
 }
 
+// MonitorHandlers are what a worker does with the monitor's requests
+// (MonitorLink.Serve).
+type MonitorHandlers struct {
+	// Apply runs a configuration: the Apply with the Inputs sent before
+	// it. It is called on Serve's goroutine, in order.
+	Apply func(a *Apply, inputs map[string][]byte)
+	// Post delivers a webhook; it is called on a goroutine of its own.
+	Post func(ctx context.Context, p *Post)
+	// Resend sends a mount's payload again; it is called on Serve's
+	// goroutine and must not block.
+	Resend func(mount string)
+}
+
 // Serve decodes the monitor's messages until the stream ends, and returns
 // why (io.EOF, or the decoder's error): Inputs are gathered until an
-// Apply, which is handed to apply with them; Credentials go to the reads
-// waiting for them (Files); each Post is handed to post on a goroutine of
-// its own. apply is called on Serve's goroutine, in order.
-func (l *MonitorLink) Serve(ctx context.Context, apply func(a *Apply, inputs map[string][]byte), post func(ctx context.Context, p *Post)) error {
+// Apply, which is handed to h.Apply with them; Credentials go to the
+// reads waiting for them (Files); each Post is handed to h.Post, each
+// Resend to h.Resend.
+func (l *MonitorLink) Serve(ctx context.Context, h MonitorHandlers) error {
 	d := NewDecoder(l.r, FromMonitor)
 	inputs := map[string][]byte{}
 	for {
@@ -113,12 +126,14 @@ func (l *MonitorLink) Serve(ctx context.Context, apply func(a *Apply, inputs map
 		case *Input:
 			inputs[m.Name] = m.Value
 		case *Apply:
-			apply(m, inputs)
+			h.Apply(m, inputs)
 			inputs = map[string][]byte{}
 		case *Credential:
 			l.rereads.answer(m)
 		case *Post:
-			go post(ctx, m)
+			go h.Post(ctx, m)
+		case *Resend:
+			h.Resend(m.Mount)
 		}
 	}
 }

@@ -393,6 +393,17 @@ func (p *Populator) ReleasePayload(mount string) {
 	}
 }
 
+// Rebuild has mount's payload built anew from the snapshots held, as a
+// new generation, at the next Populate: for a worker whose monitor keeps
+// no payload once written and asks for one again to repair drift
+// (privsep.Resend). A mount not configured, not built yet, or frozen
+// (immutable and projected: its feeds are released) is left as it is.
+func (p *Populator) Rebuild(mount string) {
+	if pm := p.mounts[mount]; pm != nil && !pm.frozen && pm.desired != nil {
+		pm.desired = nil
+	}
+}
+
 // options returns the options of pm's payload build.
 func (p *Populator) options(pm *populated) projector.Options {
 	m := pm.spec
