@@ -219,6 +219,8 @@ func TestMain(m *testing.M) {
 	switch mode := strings.SplitN(os.Getenv(WorkerEnv), ":", 3); mode[0] {
 	case hostileMode:
 		hostileWorker()
+	case withholdingMode:
+		withholdingWorker()
 	case compromisedMode:
 		compromisedWorker(mode[1], mode[2])
 	case exhaustMode:

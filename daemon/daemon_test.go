@@ -241,7 +241,8 @@ func TestReload(t *testing.T) {
 }
 
 // TestDriftIsRepaired removes a file, a visible symlink and ..data by hand;
-// the resync puts them back.
+// the resync puts them back. The monitor holds no payload once written
+// (reconcile.Releaser): the repair asks the worker for it again.
 func TestDriftIsRepaired(t *testing.T) {
 	h := newHarness(t)
 	h.put("/d/a", "1", "/d/sub/b", "2")
@@ -267,6 +268,7 @@ func TestDriftIsRepaired(t *testing.T) {
 		t.Fatal(err)
 	}
 	h.waitContent(dir, want)
+	h.waitLog("drift found; asking for the payload again to repair it", "mount=d")
 	h.waitLog("repaired drift", "mount=d")
 }
 

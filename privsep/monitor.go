@@ -71,7 +71,18 @@ type Monitor struct {
 // NewMonitor returns a monitor with no worker: Configure gives it its
 // configuration, Run runs the workers.
 func NewMonitor(opts MonitorOptions) *Monitor {
-	return &Monitor{opts: opts, remote: NewRemote(), workers: map[string]*domainWorker{}, domainOf: map[string]string{}, fatal: make(chan error, 1)}
+	m := &Monitor{opts: opts, remote: NewRemote(), workers: map[string]*domainWorker{}, domainOf: map[string]string{}, fatal: make(chan error, 1)}
+	m.remote.SetResend(m.resend)
+	return m
+}
+
+// resend asks the worker of domain for mount's payload again (Resend),
+// and reports whether one runs to be asked.
+func (m *Monitor) resend(domain, mount string) bool {
+	m.mu.Lock()
+	w := m.workers[domain]
+	m.mu.Unlock()
+	return w != nil && w.super.Send(&Resend{Mount: mount})
 }
 
 // Remote returns the desired state the workers' reports build.

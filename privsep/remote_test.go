@@ -1,7 +1,9 @@
 package privsep
 
 import (
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/projector"
@@ -111,5 +113,105 @@ func TestRemoteHoldsOneCopy(t *testing.T) {
 	changed := send(2, "w")
 	if changed.Generation == first.Generation || string(r.mounts["app"].payload["k"].Data) != "w" || &changed.Payload["k"].Data[0] != &r.mounts["app"].payload["k"].Data[0] {
 		t.Errorf("a changed payload: generation %d, held %q; want a new generation and the new payload held once", changed.Generation, r.mounts["app"].payload["k"].Data)
+	}
+}
+
+// TestRemoteReleasesWrittenPayload: a payload written (Release) is no
+// longer held, while the mount stays ready at its generation; an equal
+// one sent again unasked (a worker started again) is dropped; Fetch asks
+// its worker for it again, at most once per fetchAgain; the payload sent
+// again, if equal, keeps the generation (nothing to rewrite but drift),
+// and a changed one makes a new one. An immutable mount's payload is
+// kept: its worker could not build it again.
+func TestRemoteReleasesWrittenPayload(t *testing.T) {
+	r := NewRemote()
+	var asked []string
+	r.SetResend(func(domain, mount string) bool {
+		asked = append(asked, domain+"/"+mount)
+		return true
+	})
+	mount := &config.Mount{Name: "app", UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
+	frozen := &config.Mount{Name: "frozen", UID: -1, GID: -1, Immutable: true, Projections: []config.Projection{{Source: "main"}}}
+	if err := r.SetMounts([]*config.Mount{mount, frozen}); err != nil {
+		t.Fatal(err)
+	}
+	released := make(chan struct{}, 1)
+	send := func(name string, gen uint64, value string) *reconcile.DesiredMount {
+		t.Helper()
+		data := []byte(value)
+		runtime.AddCleanup(&data[0], func(ch chan struct{}) {
+			select {
+			case ch <- struct{}{}:
+			default:
+			}
+		}, released)
+		r.HandleMessage("main", &MountState{Mount: name, Generation: gen, Revision: "main@7"})
+		r.HandlePayload("main", &Payload{Mount: name, Revision: "main@7", Files: projector.Payload{"k": {Data: data, Mode: 0o644}}})
+		return r.Populate()[name]
+	}
+	first := send("app", 1, "v")
+	gen := first.Generation
+	if r.Release("app", first.Generation+1) {
+		t.Error("Release of a generation not desired = true")
+	}
+	if !r.Release("app", first.Generation) {
+		t.Fatal("Release of the desired generation = false")
+	}
+	d := r.Populate()["app"]
+	if d.Payload != nil || !d.Released || !d.Ready() || d.Generation != first.Generation {
+		t.Fatalf("after Release: payload %v, released %v, generation %d; want none, released, ready, %d", d.Payload, d.Released, d.Generation, first.Generation)
+	}
+	first = nil
+	for i := 0; ; i++ {
+		runtime.GC()
+		select {
+		case <-released:
+		case <-time.After(20 * time.Millisecond):
+			if i < 50 {
+				continue
+			}
+			t.Fatal("the released payload is still held after 50 collections")
+		}
+		break
+	}
+	// A report without a payload keeps it released.
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 1, Revision: "main@7", Stale: []string{"down"}})
+	if d := r.Populate()["app"]; !d.Released || d.Payload != nil || d.Generation != gen {
+		t.Errorf("a report of the same generation: released %v, payload %v; want it released still", d.Released, d.Payload)
+	}
+
+	// An equal payload no one asked for (a worker started again) is not
+	// held: nothing is to be written.
+	if d := send("app", 5, "v"); d.Payload != nil || !d.Released || d.Generation != gen || r.mounts["app"].payload != nil {
+		t.Errorf("an equal payload not asked for: payload %v, released %v, generation %d; want it dropped at generation %d", d.Payload, d.Released, d.Generation, gen)
+	}
+
+	now := time.Now()
+	if again := r.Fetch("app", now); !again.Equal(now.Add(fetchAgain)) || len(asked) != 1 || asked[0] != "main/app" {
+		t.Fatalf("Fetch = %v, asked %v; want main/app asked, again at %v", again, asked, now.Add(fetchAgain))
+	}
+	if again := r.Fetch("app", now.Add(time.Second)); !again.Equal(now.Add(fetchAgain)) || len(asked) != 1 {
+		t.Errorf("Fetch a second later = %v, asked %v; want no second request before %v", again, asked, now.Add(fetchAgain))
+	}
+	if r.Fetch("app", now.Add(fetchAgain)); len(asked) != 2 {
+		t.Errorf("asked %v after fetchAgain; want the worker asked again", asked)
+	}
+	back := send("app", 2, "v")
+	if back.Payload == nil || back.Released || back.Generation != gen {
+		t.Errorf("the equal payload sent again: payload %v, released %v, generation %d; want it held at generation %d", back.Payload, back.Released, back.Generation, gen)
+	}
+	if r.Fetch("app", now.Add(time.Hour)); len(asked) != 2 {
+		t.Errorf("asked %v for a payload held; want no request", asked)
+	}
+	if !r.Release("app", back.Generation) {
+		t.Fatal("Release = false")
+	}
+	if changed := send("app", 3, "w"); changed.Generation == gen || changed.Payload == nil {
+		t.Errorf("a changed payload after Release: generation %d (was %d); want a new one", changed.Generation, gen)
+	}
+
+	f := send("frozen", 1, "x")
+	if r.Release("frozen", f.Generation) {
+		t.Error("Release of an immutable mount's payload = true; want it kept")
 	}
 }

@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"errors"
 	"maps"
 	"slices"
 	"time"
@@ -96,7 +97,19 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 		retryAt = verifyAt
 	}
 	for _, op := range ops {
-		r.dispatch(op, dsw[op.Mount])
+		d := dsw[op.Mount]
+		if (op.Kind == Setup || op.Kind == Remount) && d.Payload == nil {
+			// Released once written (Releaser), and needed again: drift
+			// to repair. The payload is asked for; its arrival wakes
+			// the loop, and the mount is remounted then.
+			if rel, ok := r.pop.(Releaser); ok {
+				if again := rel.Fetch(op.Mount, now); !again.IsZero() && (retryAt.IsZero() || again.Before(retryAt)) {
+					retryAt = again
+				}
+			}
+			continue
+		}
+		r.dispatch(op, d)
 	}
 	r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
 	return retryAt
@@ -170,10 +183,17 @@ func (r *Reconciler) status(dsw DesiredState) []MountStatus {
 		if hb := r.asw.HeldBack[name]; hb != nil && hb.Generation == d.Generation {
 			st.Stale = append(slices.Clip(st.Stale), hb.Err)
 		}
+		if a != nil && a.RemountRequired && d.Payload == nil && d.Released {
+			st.Stale = append(slices.Clip(st.Stale), errPayloadAsked)
+		}
 		out = append(out, st)
 	}
 	return out
 }
+
+// errPayloadAsked is the status of a mount whose disk drifted and whose
+// payload, released once written (Releaser), is asked for again.
+var errPayloadAsked = errors.New("the files drifted from what was written; the payload is asked for again to repair them")
 
 // sameNames reports whether names are exactly the keys of dsw.
 func sameNames(names []string, dsw DesiredState) bool {

@@ -31,6 +31,10 @@ type runtime struct {
 	// adoption is how the last open took over the directory, until an
 	// operation reports it.
 	adoption projector.Adoption
+	// released is set once written was dropped, its writer told to
+	// forget it and the Desired to release it (Releaser): drift found
+	// then is repaired by a remount once the payload is fetched.
+	released bool
 }
 
 // result is what an operation reports to the loop.
@@ -48,6 +52,9 @@ type result struct {
 	change     projector.Change
 	adoption   projector.Adoption
 	drift      error
+	// unrepaired is set when a verification found drift that it could
+	// not repair for want of the payload, released (Releaser).
+	unrepaired bool
 	err        error
 	duration   time.Duration
 }
@@ -74,6 +81,7 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 		}
 		res.spec, res.payload = spec, rt.written
 		res.drift, res.err = r.verify(op.Mount, spec, rt)
+		res.unrepaired = res.drift != nil && res.err == nil && rt.written == nil
 	case Collect:
 		if rt.writer != nil {
 			_, res.err = rt.writer.Collect(time.Now())
@@ -130,7 +138,7 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	if err != nil {
 		return change, fmt.Errorf("mount %q: %w", name, err)
 	}
-	rt.written = payload
+	rt.written, rt.released = payload, false
 	return change, nil
 }
 
@@ -374,7 +382,7 @@ func (r *Reconciler) teardown(name string, a ActualMount, rt *runtime) error {
 	closeWriter := func() {
 		if rt.writer != nil {
 			rt.writer.Close()
-			rt.writer, rt.spec, rt.written = nil, nil, nil
+			rt.writer, rt.spec, rt.written, rt.released = nil, nil, nil, false
 		}
 	}
 	m := projector.Medium{Dir: dir, Tmpfs: a.Medium == config.MediumTmpfs}
@@ -428,12 +436,19 @@ func (r *Reconciler) forget(name string) error {
 // last written, with spec — the mount's current configuration, so that its
 // current check_command and guard rails apply to the repair. It returns the
 // drift found and the repair's error.
+//
+// A released payload (Releaser) is not at hand: the writer compares the
+// disk with the hashes of the version's manifest, and drift found is
+// returned unrepaired (the loop fetches the payload and remounts).
 func (r *Reconciler) verify(name string, spec *config.Mount, rt *runtime) (drift, err error) {
-	if rt.writer == nil || rt.written == nil {
+	if rt.writer == nil || rt.written == nil && !rt.released {
 		return nil, nil // adopted, not yet compared: the next remount does
 	}
 	drift = rt.writer.Verify()
 	if drift == nil {
+		if rt.released {
+			rt.writer.ForgetPayload() // what Verify read to compare
+		}
 		return nil, nil
 	}
 	if !errors.Is(drift, projector.ErrDrift) {
@@ -442,6 +457,9 @@ func (r *Reconciler) verify(name string, spec *config.Mount, rt *runtime) (drift
 	// Reopen: the directory itself may have been removed or replaced.
 	rt.writer.Close()
 	rt.writer = nil
+	if rt.written == nil {
+		return drift, nil
+	}
 	_, err = r.project(name, spec, rt, rt.written)
 	return drift, err
 }

@@ -140,6 +140,24 @@ type Desired interface {
 	SetObserver(o Observer)
 }
 
+// Releaser is a Desired that need not hold a payload once it is written:
+// the monitor's (privsep.Remote), whose worker holds the snapshots the
+// payload was built from and builds it again when asked. After each
+// successful write the reconciler has the atomic writer forget the
+// payload (projector.AtomicWriter.ForgetPayload) and releases it; a mount
+// that needs it again — drift to repair — fetches it, and is rewritten
+// once it comes.
+type Releaser interface {
+	// Release drops mount's payload of generation, written, and reports
+	// whether it did; the desired mount stays ready (Released).
+	Release(mount string, generation uint64) bool
+	// Fetch asks for mount's released payload again at now; it comes as
+	// a desired payload of the same generation when it is equal. It
+	// returns when to ask again if it has not come by then, zero when
+	// there is nothing to ask.
+	Fetch(mount string, now time.Time) time.Time
+}
+
 // ReloadConfig is what a reload changes.
 type ReloadConfig struct {
 	// Mounts are the configured mounts (see Populator.SetMounts).
@@ -386,9 +404,18 @@ func (r *Reconciler) apply(res result) {
 			a = &ActualMount{}
 			r.asw.Mounts[name] = a
 		}
-		a.Dir, a.Medium, a.Generation, a.Version, a.RemountRequired = res.spec.Dir, res.spec.Medium, res.generation, res.version, false
+		if a.Drift != nil {
+			log.Warn("repaired drift", "drift", a.Drift, "duration", res.duration)
+			if a.Generation == res.generation {
+				// Put back as it was written, as a verification's
+				// repair is: nothing changed for readers to be told of.
+				res.change = projector.Change{}
+			}
+		}
+		a.Dir, a.Medium, a.Generation, a.Version, a.RemountRequired, a.Drift = res.spec.Dir, res.spec.Medium, res.generation, res.version, false, nil
 		a.CollectAt, a.PendingSince, a.DiskDigest = res.collectAt, time.Time{}, ""
 		delete(r.digests, name)
+		r.release(name, res.generation)
 		if res.adoption.FromManifest {
 			// Adopted without reading a byte: the background
 			// verification reads them back.
@@ -412,9 +439,20 @@ func (r *Reconciler) apply(res result) {
 			r.opts.Observer.Observe(TornDownEvent{Mount: name, Dir: a.Dir, Time: now})
 		}
 	case Verify:
-		if a := r.asw.Mounts[name]; a != nil {
+		a := r.asw.Mounts[name]
+		if a != nil {
 			a.VerifyDue = false
-			a.Version = res.version
+			if !res.unrepaired {
+				a.Version = res.version
+			}
+		}
+		if res.unrepaired {
+			// Its payload was released: fetched (pass), then remounted.
+			if a != nil {
+				a.RemountRequired, a.Drift = true, res.drift
+			}
+			log.Warn("drift found; asking for the payload again to repair it", "drift", res.drift)
+			return
 		}
 		if res.drift != nil {
 			log.Warn("repaired drift", "drift", res.drift, "duration", res.duration)
@@ -422,6 +460,20 @@ func (r *Reconciler) apply(res result) {
 				Revision: res.revision, Version: res.version, Change: res.change, Files: len(res.payload), Bytes: res.payload.Size(),
 				Duration: res.duration, Time: now})
 		}
+	}
+}
+
+// release has the writer of mount forget the payload of generation just
+// written and the Desired release it, where the Desired is a Releaser:
+// the monitor then holds no payload at rest.
+func (r *Reconciler) release(mount string, generation uint64) {
+	rel, ok := r.pop.(Releaser)
+	rt := r.runtimes[mount]
+	if !ok || rt == nil || rt.writer == nil || !rt.writer.ForgetPayload() {
+		return
+	}
+	if rel.Release(mount, generation) {
+		rt.written, rt.released = nil, true
 	}
 }
 

@@ -65,6 +65,9 @@ type ActualMount struct {
 	// RemountRequired is set when the disk drifted from what was written;
 	// the next remount rewrites it.
 	RemountRequired bool
+	// Drift is the drift a verification found and left to that remount,
+	// its payload released (Releaser); nil otherwise.
+	Drift error
 	// VerifyDue is set by the periodic resync; a verify operation compares
 	// the disk with what was written.
 	VerifyDue bool
