@@ -11,7 +11,8 @@ import (
 )
 
 // TestForgetPayload: a writer that forgot its payload after a write
-// (ForgetPayload) still counts the current version's files, tells what
+// (ForgetPayload) still counts the current version's files and knows its
+// digest (from the manifest, as it wrote it), tells what
 // the next write changes, hard-links the files that stay, writes nothing
 // for an equal payload, and verifies every byte against the manifest's
 // hashes — an edit in place of the same size is drift.
@@ -22,8 +23,14 @@ func TestForgetPayload(t *testing.T) {
 	if _, err := w.Write(first); err != nil {
 		t.Fatal(err)
 	}
+	if w.Digest() != first.Digest() {
+		t.Errorf("Digest = %q after a write; want the payload's, %q", w.Digest(), first.Digest())
+	}
 	if !w.ForgetPayload() {
 		t.Fatal("ForgetPayload = false for a version with a manifest")
+	}
+	if w.Digest() != first.Digest() {
+		t.Errorf("Digest = %q once forgotten; want the payload's, %q", w.Digest(), first.Digest())
 	}
 	if w.Files() != 3 {
 		t.Errorf("Files = %d after ForgetPayload; want 3", w.Files())
@@ -45,6 +52,9 @@ func TestForgetPayload(t *testing.T) {
 		t.Errorf("d/b written anew (inode %d, was %d); want it hard-linked from the forgotten version", got, kept)
 	}
 	checkMount(t, dir, second)
+	if w.Digest() != second.Digest() {
+		t.Errorf("Digest = %q after the second write; want %q", w.Digest(), second.Digest())
+	}
 	w.ForgetPayload()
 	version := w.Version()
 	if change, err := w.Write(second); err != nil || !change.Empty() || w.Version() != version {

@@ -284,6 +284,20 @@ func (w *AtomicWriter) Files() int {
 	return w.current.files()
 }
 
+// Digest returns the digest of the current version's payload
+// (Payload.Digest, in hex) as its manifest records it, without hashing
+// anything again; "" when the writer does not know it (no version, or
+// none written or adopted with a manifest).
+func (w *AtomicWriter) Digest() string {
+	if w.current == nil {
+		return ""
+	}
+	if w.current.manifest != nil {
+		return w.current.manifest.Digest
+	}
+	return w.current.digest
+}
+
 // Version returns the name of the current version directory, or "" when none
 // is known.
 func (w *AtomicWriter) Version() string {
@@ -328,6 +342,9 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	if w.current != nil {
 		if w.current.holds(payload) && !w.rebuildDirs {
 			// Known by its bytes from here on.
+			if w.current.manifest != nil {
+				w.current.digest = w.current.manifest.Digest
+			}
 			w.current.payload, w.current.manifest = payload, nil
 			if w.current.noManifest {
 				if err := w.addManifest(); err != nil {
@@ -386,7 +403,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	}
 	err = syncErr
 	previous := w.current
-	w.current = &version{name: name, payload: payload}
+	w.current = &version{name: name, payload: payload, digest: built.digest}
 	w.rebuildDirs = false
 	if err != nil {
 		// Switched, but not durable (fsync failed): the new version is

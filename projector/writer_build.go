@@ -96,7 +96,9 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 		mname := manifestFile(name)
 		// A leftover of the same name (of a version removed by hand).
 		_ = unix.Unlinkat(int(w.manifests.Fd()), mname, 0)
-		mf, merr := createManifest(w.manifests, mname, newManifest(entries))
+		m := newManifest(entries)
+		built.digest = m.Digest
+		mf, merr := createManifest(w.manifests, mname, m)
 		if merr != nil {
 			_ = unix.Unlinkat(int(w.manifests.Fd()), mname, 0)
 			return "", builtVersion{}, merr
@@ -156,6 +158,9 @@ type builtVersion struct {
 	ident fsutil.Ident
 	// dirs are the directories inside it, parents first.
 	dirs []string
+	// digest is its payload's digest (Payload.Digest), from its
+	// manifest; "" without a manifest directory.
+	digest string
 }
 
 // dirHandles are open directories of one version, by path relative to the

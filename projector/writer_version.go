@@ -27,6 +27,9 @@ type version struct {
 	// then its number of files.
 	forgotten bool
 	count     int
+	// digest is the digest of its payload (Payload.Digest) when known
+	// from its manifest: made by this writer, or adopted from one.
+	digest string
 }
 
 // topLevel returns the first path elements of v's files.
@@ -134,5 +137,8 @@ func (v *version) contains(p string) bool {
 // its manifest on disk says the rest (AtomicWriter.recall).
 func (v *version) forget() {
 	v.count = v.files()
+	if v.manifest != nil {
+		v.digest = v.manifest.Digest
+	}
 	v.payload, v.manifest, v.forgotten = nil, nil, true
 }
