@@ -151,10 +151,10 @@ func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	}
 	first := send("app", 1, "v")
 	gen := first.Generation
-	if r.Release("app", first.Generation+1) {
+	if r.Release("app", first.Generation+1, "") {
 		t.Error("Release of a generation not desired = true")
 	}
-	if !r.Release("app", first.Generation) {
+	if !r.Release("app", first.Generation, "") {
 		t.Fatal("Release of the desired generation = false")
 	}
 	d := r.Populate()["app"]
@@ -203,7 +203,7 @@ func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	if r.Fetch("app", now.Add(time.Hour)); len(asked) != 2 {
 		t.Errorf("asked %v for a payload held; want no request", asked)
 	}
-	if !r.Release("app", back.Generation) {
+	if !r.Release("app", back.Generation, "") {
 		t.Fatal("Release = false")
 	}
 	if changed := send("app", 3, "w"); changed.Generation == gen || changed.Payload == nil {
@@ -211,7 +211,7 @@ func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	}
 
 	f := send("frozen", 1, "x")
-	if r.Release("frozen", f.Generation) {
+	if r.Release("frozen", f.Generation, "") {
 		t.Error("Release of an immutable mount's payload = true; want it kept")
 	}
 }

@@ -87,14 +87,17 @@ func (r *Reconciler) wait(ctx context.Context, retry <-chan time.Time, resync *t
 // when the next pass is due without a wake-up (zero: not before one).
 func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	dsw := r.pop.Populate()
+	releaseAt := r.releaseDue(now)
 	r.markPending(dsw, now)
 	if !sameNames(r.names, dsw) {
 		r.names = slices.Sorted(maps.Keys(dsw))
 	}
 	ops, retryAt := planSorted(withTeardowns(r.names, dsw, r.asw), dsw, r.asw, now)
 	ops, verifyAt := r.schedule(ops, dsw, now)
-	if !verifyAt.IsZero() && (retryAt.IsZero() || verifyAt.Before(retryAt)) {
-		retryAt = verifyAt
+	for _, at := range []time.Time{verifyAt, releaseAt} {
+		if !at.IsZero() && (retryAt.IsZero() || at.Before(retryAt)) {
+			retryAt = at
+		}
 	}
 	for _, op := range ops {
 		d := dsw[op.Mount]

@@ -35,6 +35,9 @@ type runtime struct {
 	// forget it and the Desired to release it (Releaser): drift found
 	// then is repaired by a remount once the payload is fetched.
 	released bool
+	// wroteAt is when the last write succeeded, and releaseAt when its
+	// payload is to be released, zero when it is not to be (release.go).
+	wroteAt, releaseAt time.Time
 }
 
 // result is what an operation reports to the loop.

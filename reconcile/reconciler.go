@@ -107,6 +107,9 @@ type Reconciler struct {
 	readsDone bool
 	// procs raises GOMAXPROCS while setups run in bulk (procs.go).
 	procs *procs
+	// releasing counts the mounts whose payload waits to be released
+	// (release.go).
+	releasing int
 }
 
 type reloadRequest struct {
@@ -149,8 +152,10 @@ type Desired interface {
 // once it comes.
 type Releaser interface {
 	// Release drops mount's payload of generation, written, and reports
-	// whether it did; the desired mount stays ready (Released).
-	Release(mount string, generation uint64) bool
+	// whether it did; the desired mount stays ready (Released). digest is
+	// the payload's (projector.Payload.Digest) as the atomic writer knows
+	// it from the version's manifest, "" when it does not.
+	Release(mount string, generation uint64, digest string) bool
 	// Fetch asks for mount's released payload again at now; it comes as
 	// a desired payload of the same generation when it is equal. It
 	// returns when to ask again if it has not come by then, zero when
@@ -415,7 +420,7 @@ func (r *Reconciler) apply(res result) {
 		a.Dir, a.Medium, a.Generation, a.Version, a.RemountRequired, a.Drift = res.spec.Dir, res.spec.Medium, res.generation, res.version, false, nil
 		a.CollectAt, a.PendingSince, a.DiskDigest = res.collectAt, time.Time{}, ""
 		delete(r.digests, name)
-		r.release(name, res.generation)
+		r.wrote(name, res.generation, now)
 		if res.adoption.FromManifest {
 			// Adopted without reading a byte: the background
 			// verification reads them back.
@@ -432,6 +437,9 @@ func (r *Reconciler) apply(res result) {
 	case Teardown:
 		a := r.asw.Mounts[name]
 		delete(r.asw.Mounts, name)
+		if rt := r.runtimes[name]; rt != nil && !rt.releaseAt.IsZero() {
+			r.releasing--
+		}
 		delete(r.runtimes, name)
 		delete(r.digests, name)
 		if a != nil {
@@ -460,20 +468,6 @@ func (r *Reconciler) apply(res result) {
 				Revision: res.revision, Version: res.version, Change: res.change, Files: len(res.payload), Bytes: res.payload.Size(),
 				Duration: res.duration, Time: now})
 		}
-	}
-}
-
-// release has the writer of mount forget the payload of generation just
-// written and the Desired release it, where the Desired is a Releaser:
-// the monitor then holds no payload at rest.
-func (r *Reconciler) release(mount string, generation uint64) {
-	rel, ok := r.pop.(Releaser)
-	rt := r.runtimes[mount]
-	if !ok || rt == nil || rt.writer == nil || !rt.writer.ForgetPayload() {
-		return
-	}
-	if rel.Release(mount, generation) {
-		rt.written, rt.released = nil, true
 	}
 }
 

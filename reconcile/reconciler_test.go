@@ -36,6 +36,13 @@ func (r *reconcilerRun) watchPasses(f func(MountStatus)) {
 
 func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
 	t.Helper()
+	return startReconcilerWith(t, nil, time.Hour, mounts...)
+}
+
+// startReconcilerWith is startReconciler with the populator wrapped by
+// wrap (when not nil) and a resync every resync.
+func startReconcilerWith(t *testing.T, wrap func(*Populator) Desired, resync time.Duration, mounts ...*config.Mount) *reconcilerRun {
+	t.Helper()
 	base := t.TempDir()
 	owned, err := LoadOwned(filepath.Join(base, "state"))
 	if err != nil {
@@ -45,11 +52,14 @@ func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
 	for _, m := range mounts {
 		m.Dir = filepath.Join(base, "mnt", m.Name)
 	}
-	pop := NewPopulatorFor(r.cache, discard)
+	var pop Desired = NewPopulatorFor(r.cache, discard)
+	if wrap != nil {
+		pop = wrap(pop.(*Populator))
+	}
 	if err := pop.SetMounts(mounts); err != nil {
 		t.Fatal(err)
 	}
-	r.rec = New(pop, owned, r.trigger, discard, Options{ResyncInterval: time.Hour, Observer: ObserverFunc(func(ev Event) {
+	r.rec = New(pop, owned, r.trigger, discard, Options{ResyncInterval: resync, Observer: ObserverFunc(func(ev Event) {
 		pass, ok := ev.(PassEvent)
 		if !ok {
 			return
