@@ -6,15 +6,15 @@ import "time"
 // monitor's, whose worker holds the snapshots it was built from): the
 // atomic writer forgets it, keeping its file count and digest, and reads
 // the version's manifest again for its next write. That read is what a
-// write of a mount that changes often would pay each time — 21–23 µs
-// more for a mount of one key, 0.26 ms for 100, 1.6–2.2 ms for 1,000
-// (one key changed, tmpfs: projector's BenchmarkWriteForgotten,
-// BENCHMARKS.md) —, so a payload is released at once only when
-// the mount had not been written for releaseIdle before; after a write
-// that follows another within releaseIdle, it is released once the mount
-// has been idle that long. A cold start, a restart, or an update of a
-// mount at rest releases at once; a burst of updates pays for one read
-// of the manifest at most.
+// write of a mount that changes often would pay each time — within the
+// noise for a mount of one key, 0.26–0.5 ms more for 100 keys (1.1–1.4
+// ms), 1.6–4 ms for 1,000 (12–13 ms; one key changed, tmpfs: projector's
+// BenchmarkWriteForgotten, BENCHMARKS.md) —, so a payload is released at
+// once only when the mount had not been written for releaseIdle before;
+// after a write that follows another within releaseIdle, it is released
+// once the mount has been idle that long. A cold start, a restart, or an
+// update of a mount at rest releases at once; a burst of updates pays
+// for one read of the manifest at most.
 
 // releaseIdle is how long a mount goes without a write before its payload
 // is released, once it was written twice within that time: the default
