@@ -124,11 +124,10 @@ type remoteMount struct {
 	// this mount's state.
 	ended error
 	// released is set once the payload of the desired generation was
-	// written and dropped (Release); digest and files are then what it
-	// held, and asked when Fetch last asked the worker for it again.
+	// written and dropped (Release); digest is then its digest, and
+	// asked when Fetch last asked the worker for it again.
 	released bool
 	digest   string
-	files    int
 	asked    time.Time
 }
 
@@ -382,14 +381,13 @@ func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 // Release implements reconcile.Releaser: it drops mount's payload of
 // generation, which the reconciler has written (or found on disk), so
 // that the monitor does not hold at rest what the worker holds already —
-// the snapshots it was built from, 17–18 MB of the monitor's heap at
-// 1,000 mounts of 100 keys. Its digest and number of files stay: a
-// payload sent again that is equal keeps the generation and rewrites
-// nothing; digest is the one the atomic writer read from the version's
-// manifest (computed here when ""), so that a restart of 1,000 mounts
-// hashes no payload twice. The desired mount stays ready
-// (reconcile.DesiredMount Released) until Fetch has the payload sent
-// again. It reports whether
+// the snapshots it was built from; 17–18 MB of the monitor's heap at
+// 1,000 mounts of 100 keys. Its digest stays, so that a payload sent
+// again that is equal keeps the generation and rewrites nothing: digest
+// is the one the atomic writer read from the version's manifest
+// (computed here when ""), so that a restart of 1,000 mounts hashes no
+// payload twice. The desired mount stays ready (reconcile.DesiredMount
+// Released) until Fetch has the payload sent again. It reports whether
 // it dropped it: not for an immutable mount (its worker stops following
 // it once it is projected, and could not build it again), nor while
 // another report is to be taken (the next Populate), nor for another
@@ -404,7 +402,7 @@ func (r *Remote) Release(mount string, generation uint64, digest string) bool {
 	if digest == "" {
 		digest = rm.desired.Payload.Digest()
 	}
-	rm.digest, rm.files, rm.released, rm.asked = digest, len(rm.desired.Payload), true, time.Time{}
+	rm.digest, rm.released, rm.asked = digest, true, time.Time{}
 	rm.payload = nil
 	d := *rm.desired
 	d.Payload, d.Released = nil, true
