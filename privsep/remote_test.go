@@ -154,6 +154,8 @@ func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	if r.Release("app", first.Generation+1, "") {
 		t.Error("Release of a generation not desired = true")
 	}
+	// A report without a payload, not yet taken, does not keep it.
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 1, Revision: "main@7", Stale: []string{"slow"}})
 	if !r.Release("app", first.Generation, "") {
 		t.Fatal("Release of the desired generation = false")
 	}
