@@ -145,11 +145,12 @@ type Desired interface {
 
 // Releaser is a Desired that need not hold a payload once it is written:
 // the monitor's (privsep.Remote), whose worker holds the snapshots the
-// payload was built from and builds it again when asked. After each
-// successful write the reconciler has the atomic writer forget the
-// payload (projector.AtomicWriter.ForgetPayload) and releases it; a mount
-// that needs it again — drift to repair — fetches it, and is rewritten
-// once it comes.
+// payload was built from and builds it again when asked. After a
+// successful write — at once, or once a mount written in a burst has
+// been idle (release.go) — the reconciler has the atomic writer forget
+// the payload (projector.AtomicWriter.ForgetPayload) and releases it; a
+// mount that needs it again — drift to repair — fetches it, and is
+// rewritten once it comes.
 type Releaser interface {
 	// Release drops mount's payload of generation, written, and reports
 	// whether it did; the desired mount stays ready (Released). digest is
