@@ -2,6 +2,7 @@ package projector
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"testing"
@@ -22,6 +23,14 @@ func payloadOf(n, size, dirs int) Payload {
 		p[name] = File{Data: data, Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
 	}
 	return p
+}
+
+// withChange returns a copy of payload whose file at path holds the
+// decimal i instead.
+func withChange(payload Payload, path string, i int) Payload {
+	next := maps.Clone(payload)
+	next[path] = File{Data: []byte(fmt.Sprint(i)), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
+	return next
 }
 
 // BenchmarkWriteOneChange measures one write that changes one file of a
@@ -45,12 +54,7 @@ func BenchmarkWriteOneChange(b *testing.B) {
 			}
 			b.ResetTimer()
 			for i := range b.N {
-				next := make(Payload, len(payload))
-				for k, v := range payload {
-					next[k] = v
-				}
-				next[first] = File{Data: []byte(fmt.Sprint(i)), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
-				payload = next
+				payload = withChange(payload, first, i)
 				if _, err := w.Write(payload); err != nil {
 					b.Fatal(err)
 				}
@@ -279,12 +283,7 @@ func BenchmarkWriteForgotten(b *testing.B) {
 				}
 				b.ResetTimer()
 				for i := range b.N {
-					next := make(Payload, len(payload))
-					for k, v := range payload {
-						next[k] = v
-					}
-					next[first] = File{Data: []byte(fmt.Sprint(i)), Mode: 0o644, UID: os.Geteuid(), GID: os.Getegid()}
-					payload = next
+					payload = withChange(payload, first, i)
 					if forget {
 						w.ForgetPayload()
 					}

@@ -205,14 +205,7 @@ func TestLeaderlessAnswerIsStale(t *testing.T) {
 					w.WriteHeader(http.StatusNotFound)
 					return
 				}
-				if r.URL.Query().Get("index") == "4" {
-					select {
-					case <-r.Context().Done():
-						return
-					case <-time.After(time.Second):
-					}
-				}
-				fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":4}]`)
+				listOneKey(w, r)
 			}))
 			t.Cleanup(srv.Close)
 			cfg := watchConfig(strings.TrimPrefix(srv.URL, "http://"))
@@ -270,14 +263,7 @@ func TestStoreFaultRetriedAtProbePass(t *testing.T) {
 					http.Error(w, "rpc error making call: No cluster leader", tc.code)
 					return
 				}
-				if r.URL.Query().Get("index") == "4" {
-					select {
-					case <-r.Context().Done():
-						return
-					case <-time.After(time.Second):
-					}
-				}
-				fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":4}]`)
+				listOneKey(w, r)
 			}))
 			t.Cleanup(srv.Close)
 			cfg := watchConfig(strings.TrimPrefix(srv.URL, "http://"))
@@ -297,4 +283,18 @@ func TestStoreFaultRetriedAtProbePass(t *testing.T) {
 			}
 		})
 	}
+}
+
+// listOneKey answers a fake agent's listing of m/ at index 4: m/a = 1,
+// after a second's wait (or the request's end) for a blocking query on
+// index 4, as an agent parks a query until its index moves.
+func listOneKey(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Query().Get("index") == "4" {
+		select {
+		case <-r.Context().Done():
+			return
+		case <-time.After(time.Second):
+		}
+	}
+	fmt.Fprint(w, `[{"Key":"m/a","Value":"MQ==","ModifyIndex":4}]`)
 }
