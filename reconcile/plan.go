@@ -3,6 +3,7 @@ package reconcile
 import (
 	"fmt"
 	"maps"
+	"path"
 	"slices"
 	"strings"
 	"time"
@@ -112,6 +113,7 @@ func withTeardowns(sorted []string, dsw DesiredState, asw *ActualState) []string
 // planSorted is Plan over names: every desired and actual mount's name,
 // sorted.
 func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
+	var taken *takenDirs
 	for _, name := range names {
 		if asw.InFlight[name] {
 			continue
@@ -124,8 +126,13 @@ func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Tim
 		if !ok {
 			continue
 		}
-		if op.Kind == Setup && dirTaken(name, d.Spec.Dir, asw) {
-			continue
+		if op.Kind == Setup {
+			if taken == nil {
+				taken = newTakenDirs(asw)
+			}
+			if taken.overlaps(d.Spec.Dir) {
+				continue
+			}
 		}
 		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == d.Generation {
 			if op, ok := idleOp(name, a, now, true); ok {
@@ -216,18 +223,46 @@ func quiescentAt(d *DesiredMount, a *ActualMount) time.Time {
 	return due
 }
 
-// dirTaken reports whether a projected mount other than name holds dir, a
-// directory inside it or one around it.
-func dirTaken(name, dir string, asw *ActualState) bool {
-	for other, a := range asw.Mounts {
-		if other != name && (within(a.Dir, dir) || within(dir, a.Dir)) {
-			return true
-		}
-	}
-	return false
+// takenDirs holds the directories of the projected mounts, so that a mount
+// is set up only once no other holds its directory, one inside it or one
+// around it. A mount to set up has no actual state of its own (planMount),
+// so every directory held is another mount's. Built once per plan that
+// sets something up, it answers in O(depth + log n): a cold start of
+// 1,000 mounts compared every mount to set up with every projected mount,
+// half a million comparisons a pass (BenchmarkPlanColdStart).
+type takenDirs struct {
+	set    map[string]bool
+	sorted []string
 }
 
-// within reports whether dir is parent or lies inside it.
-func within(dir, parent string) bool {
-	return dir == parent || strings.HasPrefix(dir, strings.TrimSuffix(parent, "/")+"/")
+// newTakenDirs indexes the directories of asw's mounts.
+func newTakenDirs(asw *ActualState) *takenDirs {
+	t := &takenDirs{set: make(map[string]bool, len(asw.Mounts)), sorted: make([]string, 0, len(asw.Mounts))}
+	for _, a := range asw.Mounts {
+		dir := path.Clean(a.Dir)
+		if !t.set[dir] {
+			t.set[dir] = true
+			t.sorted = append(t.sorted, dir)
+		}
+	}
+	slices.Sort(t.sorted)
+	return t
+}
+
+// overlaps reports whether a directory held is dir, lies inside it or
+// holds it.
+func (t *takenDirs) overlaps(dir string) bool {
+	dir = path.Clean(dir)
+	for d := dir; ; d = path.Dir(d) {
+		if t.set[d] {
+			return true
+		}
+		if d == "/" || d == "." {
+			break
+		}
+	}
+	// The paths below dir sort together, right after dir+"/".
+	below := strings.TrimSuffix(dir, "/") + "/"
+	i, _ := slices.BinarySearch(t.sorted, below)
+	return i < len(t.sorted) && strings.HasPrefix(t.sorted[i], below)
 }

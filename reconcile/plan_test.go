@@ -148,3 +148,33 @@ func TestBackoffDelay(t *testing.T) {
 		}
 	}
 }
+
+func TestTakenDirs(t *testing.T) {
+	asw := NewActualState()
+	for name, dir := range map[string]string{"a": "/srv/x", "b": "/srv/deep/er/y", "c": "/opt/z/"} {
+		asw.Mounts[name] = &ActualMount{Dir: dir, Medium: config.MediumDisk}
+	}
+	taken := newTakenDirs(asw)
+	for dir, want := range map[string]bool{
+		"/srv/x":          true,  // held
+		"/srv/x/inner":    true,  // inside one held
+		"/srv/x/a/b":      true,  // deeper inside
+		"/srv":            true,  // around one held
+		"/":               true,  // around all
+		"/srv/deep":       true,  // around one held two levels down
+		"/opt/z":          true,  // held, recorded with a trailing slash
+		"/opt/z/inner/":   true,  // inside it, asked with one
+		"/srv/xy":         false, // a sibling that shares the prefix
+		"/srv/w":          false, // a sibling
+		"/srv/deep/er/yz": false,
+		"/opt/zz/z":       false,
+		"/var":            false,
+	} {
+		if got := taken.overlaps(dir); got != want {
+			t.Errorf("overlaps(%q) = %v; want %v", dir, got, want)
+		}
+	}
+	if got := newTakenDirs(NewActualState()).overlaps("/srv/x"); got {
+		t.Error("with no mount projected, /srv/x is taken")
+	}
+}
