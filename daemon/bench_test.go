@@ -759,6 +759,9 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     same run, and their ratio cold/floor; and beside floor-layout-s, the
 //     same program creating the atomic writer's layout as well (version
 //     directory, ..data and a symlink per file), and cold/floor-layout;
+//   - cold-cpu-monitor-s: the CPU time (user and system, as
+//     restart-cpu-monitor-s below) the monitor had used when the cold
+//     start was over;
 //   - floor-bulkprocs-s: the files-only floor again, with as many Ps
 //     (GOMAXPROCS) as kvmount gives bulk setups (reconcile.BulkProcs), and
 //     cold/floor-bulkprocs: how much of the gap is the Go scheduler's;
@@ -971,6 +974,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	cmd := start()
 	allProjected()
 	cold := time.Since(t0)
+	coldCPU := cpuTime(b, cmd.Process.Pid)
 	// At rest: past the replaced versions' grace period (5 s) and a
 	// garbage collection or two.
 	time.Sleep(8 * time.Second)
@@ -1071,6 +1075,7 @@ func scale100kKeys(b *testing.B, bin string) {
 	b.ReportMetric(cold.Seconds(), "cold-start-s")
 	b.ReportMetric(floor.Seconds(), "floor-s")
 	b.ReportMetric(cold.Seconds()/floor.Seconds(), "cold/floor")
+	b.ReportMetric(coldCPU.Seconds(), "cold-cpu-monitor-s")
 	b.ReportMetric(floorLayout.Seconds(), "floor-layout-s")
 	b.ReportMetric(cold.Seconds()/floorLayout.Seconds(), "cold/floor-layout")
 	b.ReportMetric(floorProcs.Seconds(), "floor-bulkprocs-s")
