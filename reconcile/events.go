@@ -89,8 +89,11 @@ type SourceEvent struct {
 	Time     time.Time
 }
 
-// PassEvent follows every pass of the reconciler's loop with the status
-// of every configured mount, sorted by name.
+// PassEvent follows a pass of the reconciler's loop with the status of
+// every configured mount, sorted by name: at most one every 50 ms
+// (statusEvery). A pass sooner after the last report leaves its status to
+// the first pass at the end of that interval, which it makes due, so the
+// last status of a burst is always reported.
 type PassEvent struct {
 	Mounts []MountStatus
 	Time   time.Time

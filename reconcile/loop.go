@@ -114,9 +114,25 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 		}
 		r.dispatch(op, d)
 	}
-	r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
+	if due := r.reported.Add(r.statusEvery); r.reported.IsZero() || !now.Before(due) {
+		r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
+		r.reported = now
+	} else if retryAt.IsZero() || due.Before(retryAt) {
+		// This pass's status goes out with the first pass from due on.
+		retryAt = due
+	}
 	return retryAt
 }
+
+// statusEvery is how often, at most, a pass reports every mount's status
+// (PassEvent); a pass sooner leaves it to a pass at the end of the
+// interval, which it makes due. Building the status of 1,000 mounts and
+// the observers' work on it (the admin endpoint's record and metrics, the
+// service's status line) were 40 % of a pass's CPU during a restart,
+// when a pass follows every few results, every 3–6 ms (BENCHMARKS.md,
+// "A restart's status reported every 50 ms"); a reader of /status, the
+// metrics or systemd's STATUS= sees the change at most this much later.
+const statusEvery = 50 * time.Millisecond
 
 // While the first reads are held for (holdForFirstReads), a pass can
 // start nothing but the changes those reads found, and a restart of 1,000

@@ -13,8 +13,9 @@ import (
 // BenchmarkPass measures one pass of the reconciler's loop over 1,000
 // projected mounts of one key each when nothing is to be done: the pass
 // that follows every operation's result, and the work every pass does
-// besides its operations (populate, plan, status; the observer discards
-// the status). Run with: go test -run '^$' -bench Pass ./reconcile
+// besides its operations (populate, plan; the status, which the observer
+// discards, at most every statusEvery, so in few of the passes measured).
+// Run with: go test -run '^$' -bench Pass ./reconcile
 func BenchmarkPass(b *testing.B) {
 	const n = 1000
 	cache := newFakeCache()

@@ -110,6 +110,10 @@ type Reconciler struct {
 	// releasing counts the mounts whose payload waits to be released
 	// (release.go).
 	releasing int
+	// reported is when a pass last reported every mount's status, and
+	// statusEvery how often one may (loop.go).
+	reported    time.Time
+	statusEvery time.Duration
 }
 
 type reloadRequest struct {
@@ -193,17 +197,18 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 	pop.WakeOnBuild(trigger.Fire)
 	r := &Reconciler{
 		log: log, pop: pop, owned: owned, trigger: trigger, opts: opts,
-		asw:       NewActualState(),
-		runtimes:  map[string]*runtime{},
-		results:   make(chan result),
-		reloads:   make(chan reloadRequest),
-		adopts:    make(chan adoptRequest),
-		pings:     make(chan chan struct{}),
-		running:   map[string]opClass{},
-		kinds:     map[string]OpKind{},
-		digests:   map[string]digestAt{},
-		openFiles: openFileLimit(),
-		procs:     newProcs(log),
+		asw:         NewActualState(),
+		runtimes:    map[string]*runtime{},
+		results:     make(chan result),
+		reloads:     make(chan reloadRequest),
+		adopts:      make(chan adoptRequest),
+		pings:       make(chan chan struct{}),
+		running:     map[string]opClass{},
+		kinds:       map[string]OpKind{},
+		digests:     map[string]digestAt{},
+		openFiles:   openFileLimit(),
+		procs:       newProcs(log),
+		statusEvery: statusEvery,
 	}
 	var peeks errgroup.Group
 	peeks.SetLimit(peekers)

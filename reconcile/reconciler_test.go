@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -25,6 +26,8 @@ type reconcilerRun struct {
 	status map[string]MountStatus
 	// onPass, when set, is called with every pass's status of each mount.
 	onPass func(MountStatus)
+	// reports holds the time of every PassEvent.
+	reports []time.Time
 }
 
 // watchPasses calls f with every later pass's status of each mount.
@@ -66,6 +69,7 @@ func startReconcilerWith(t *testing.T, wrap func(*Populator) Desired, resync tim
 		}
 		r.mu.Lock()
 		defer r.mu.Unlock()
+		r.reports = append(r.reports, pass.Time)
 		r.status = map[string]MountStatus{}
 		for _, s := range pass.Mounts {
 			r.status[s.Name] = s
@@ -172,6 +176,57 @@ func TestReconcilerTearsDownRemovedMounts(t *testing.T) {
 	if got := r.read("keep", "a"); got != "1" {
 		t.Errorf("kept mount holds %q", got)
 	}
+}
+
+// TestStatusReportedAtMostEvery: a burst of updates of one mount, each
+// followed by passes a few milliseconds apart, reports every mount's
+// status at most every statusEvery; and the status of the pass after the
+// last write, held back for that, is reported at the end of the interval.
+func TestStatusReportedAtMostEvery(t *testing.T) {
+	r := startReconciler(t, testMount("m", "/m/"))
+	r.publish("/m/", map[string]string{"a": "0"})
+	r.wait("m", "projected", projected)
+	const updates = 100
+	for i := 1; i <= updates; i++ {
+		r.publish("/m/", map[string]string{"a": strconv.Itoa(i)})
+		time.Sleep(2 * time.Millisecond)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for r.read("m", "a") != strconv.Itoa(updates) {
+		if time.Now().After(deadline) {
+			t.Fatal("the last update was never written")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	written := time.Now()
+	// A pass follows the last write's result; its status must be
+	// reported, at the latest statusEvery after the report before it.
+	for {
+		r.mu.Lock()
+		last := r.reports[len(r.reports)-1]
+		r.mu.Unlock()
+		if last.After(written.Add(-5 * time.Millisecond)) {
+			break
+		}
+		if time.Since(written) > statusEvery+time.Second {
+			t.Fatalf("no status reported since the last write, %v ago", time.Since(written))
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r.wait("m", "projected after the burst", projected)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	// Each update is written, and a pass follows each write's result:
+	// reported one by one, they would be at least as many.
+	if len(r.reports) > updates/4 {
+		t.Fatalf("%d status reports for %d updates; want them paced", len(r.reports), updates)
+	}
+	for i := 1; i < len(r.reports); i++ {
+		if gap := r.reports[i].Sub(r.reports[i-1]); gap < statusEvery {
+			t.Fatalf("status reports %d and %d of %d came %v apart; want at least %v", i, i+1, len(r.reports), gap, statusEvery)
+		}
+	}
+	t.Logf("%d status reports for %d updates", len(r.reports), updates)
 }
 
 // TestCollectionKeepsAMountProjected: the collection of a replaced
