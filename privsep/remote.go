@@ -38,7 +38,12 @@ type Remote struct {
 	pending bool
 	// generation numbers desired payloads; it only grows.
 	generation uint64
-	dsw        reconcile.DesiredState
+	// dsw is the desired state Populate returns, nil until the next
+	// Populate builds it whole; touched holds the mounts marked dirty
+	// since the last Populate, which rebuilds only them (a walk over
+	// every mount was an eighth of a pass during a restart of 1,000).
+	dsw     reconcile.DesiredState
+	touched []*remoteMount
 	// maxTotal is max_total_size: the payloads of every mount together
 	// stay within it (Budget).
 	maxTotal int64
@@ -243,7 +248,10 @@ func (r *Remote) HandleMessage(domain string, m Message) {
 
 // touch marks rm for the next Populate and the loop to be woken at Idle.
 func (r *Remote) touch(rm *remoteMount) {
-	rm.dirty = true
+	if !rm.dirty {
+		rm.dirty = true
+		r.touched = append(r.touched, rm)
+	}
 	r.pending = true
 }
 
@@ -276,19 +284,28 @@ func (r *Remote) Populate() reconcile.DesiredState {
 	r.mu.Lock()
 	events := r.events
 	r.events = nil
-	fresh := r.dsw == nil
-	if fresh {
+	if r.dsw == nil {
 		r.dsw = make(reconcile.DesiredState, len(r.mounts))
-	}
-	for name, rm := range r.mounts {
-		if rm.dirty || rm.desired == nil {
-			rm.desired = r.build(rm)
-			rm.dirty = false
-			r.dsw[name] = rm.desired
-		} else if fresh {
+		for name, rm := range r.mounts {
+			if rm.dirty || rm.desired == nil {
+				rm.desired = r.build(rm)
+				rm.dirty = false
+			}
 			r.dsw[name] = rm.desired
 		}
+	} else {
+		for _, rm := range r.touched {
+			// Every mount touched is one of r.mounts: SetMounts, which
+			// drops mounts, clears dsw and so the walk above follows.
+			if rm.dirty {
+				rm.desired = r.build(rm)
+				rm.dirty = false
+				r.dsw[rm.spec.Name] = rm.desired
+			}
+		}
 	}
+	clear(r.touched)
+	r.touched = r.touched[:0]
 	dsw, observer := r.dsw, r.observer
 	r.mu.Unlock()
 	for _, ev := range events {
