@@ -92,8 +92,8 @@ type SourceEvent struct {
 // PassEvent follows a pass of the reconciler's loop with the status of
 // every configured mount, sorted by name: at most one every 50 ms
 // (statusEvery). A pass sooner after the last report leaves its status to
-// the first pass at the end of that interval, which it makes due, so the
-// last status of a burst is always reported.
+// the first pass at the end of that interval, which it makes due, or to
+// the end of Run, so the last status of a burst is always reported.
 type PassEvent struct {
 	Mounts []MountStatus
 	Time   time.Time

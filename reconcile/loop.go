@@ -13,12 +13,13 @@ import (
 
 // Run reconciles until ctx is done. Then it starts no new operation, waits
 // for the running ones to finish — a write in progress completes, so no
-// half-built version is left behind — closes the mounts' writers and
-// returns nil.
+// half-built version is left behind —, reports the status a pass left
+// unreported (statusEvery), closes the mounts' writers and returns nil.
 func (r *Reconciler) Run(ctx context.Context) error {
 	r.startedAt = time.Now()
 	resync := time.NewTicker(r.opts.ResyncInterval)
 	defer resync.Stop()
+	defer r.reportUnreported()
 	defer r.shutdown()
 	for {
 		began := time.Now()
@@ -116,12 +117,27 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	}
 	if due := r.reported.Add(r.statusEvery); r.reported.IsZero() || !now.Before(due) {
 		r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
-		r.reported = now
-	} else if retryAt.IsZero() || due.Before(retryAt) {
-		// This pass's status goes out with the first pass from due on.
-		retryAt = due
+		r.reported, r.unreported = now, nil
+	} else {
+		// This pass's status goes out with the first pass from due on,
+		// or when Run ends before one.
+		r.unreported = dsw
+		if retryAt.IsZero() || due.Before(retryAt) {
+			retryAt = due
+		}
 	}
 	return retryAt
+}
+
+// reportUnreported reports the status of the last pass, if that pass left
+// it for later (statusEvery), with what the operations that ended since
+// did: Once's last word on which mounts were projected must not be 50 ms
+// old.
+func (r *Reconciler) reportUnreported() {
+	if r.unreported != nil {
+		r.opts.Observer.Observe(PassEvent{Mounts: r.status(r.unreported), Time: time.Now()})
+		r.unreported = nil
+	}
 }
 
 // statusEvery is how often, at most, a pass reports every mount's status

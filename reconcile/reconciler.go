@@ -111,9 +111,11 @@ type Reconciler struct {
 	// (release.go).
 	releasing int
 	// reported is when a pass last reported every mount's status, and
-	// statusEvery how often one may (loop.go).
+	// statusEvery how often one may; unreported is the desired state of
+	// the last pass if it left its status for later (loop.go).
 	reported    time.Time
 	statusEvery time.Duration
+	unreported  DesiredState
 }
 
 type reloadRequest struct {

@@ -229,6 +229,42 @@ func TestStatusReportedAtMostEvery(t *testing.T) {
 	t.Logf("%d status reports for %d updates", len(r.reports), updates)
 }
 
+// TestUnreportedStatusReportedAtEnd: a pass that leaves its status for
+// later (statusEvery) has it reported when Run ends before another pass.
+func TestUnreportedStatusReportedAtEnd(t *testing.T) {
+	cache := newFakeCache()
+	pop := NewPopulatorFor(cache, discard)
+	if err := pop.SetMounts([]*config.Mount{testMount("m", "/m/")}); err != nil {
+		t.Fatal(err)
+	}
+	owned, err := LoadOwned(filepath.Join(t.TempDir(), "state"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var reports []PassEvent
+	r := New(pop, owned, NewTrigger(), discard, Options{Observer: ObserverFunc(func(ev Event) {
+		if pass, ok := ev.(PassEvent); ok {
+			reports = append(reports, pass)
+		}
+	})})
+	now := time.Now()
+	r.pass(now)
+	if retry := r.pass(now.Add(time.Millisecond)); !retry.Equal(now.Add(statusEvery)) {
+		t.Errorf("the pass that left its status for later is due again at %v; want %v", retry, now.Add(statusEvery))
+	}
+	if len(reports) != 1 {
+		t.Fatalf("%d reports after two passes 1 ms apart; want 1", len(reports))
+	}
+	r.reportUnreported()
+	if len(reports) != 2 || len(reports[1].Mounts) != 1 || reports[1].Mounts[0].Name != "m" {
+		t.Fatalf("reports after the end: %+v; want a second with mount m", reports)
+	}
+	r.reportUnreported()
+	if len(reports) != 2 {
+		t.Errorf("%d reports after a second end; want nothing more", len(reports))
+	}
+}
+
 // TestCollectionKeepsAMountProjected: the collection of a replaced
 // version (keep_replaced after a change) and a verification run on a
 // mount that holds its desired payload; no pass reports it as anything
