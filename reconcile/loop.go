@@ -115,7 +115,7 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 		}
 		r.dispatch(op, d)
 	}
-	if due := r.reported.Add(r.statusEvery); r.reported.IsZero() || !now.Before(due) {
+	if due := r.reported.Add(statusEvery); r.reported.IsZero() || !now.Before(due) {
 		r.opts.Observer.Observe(PassEvent{Mounts: r.status(dsw), Time: now})
 		r.reported, r.unreported = now, nil
 	} else {

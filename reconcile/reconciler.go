@@ -110,12 +110,11 @@ type Reconciler struct {
 	// releasing counts the mounts whose payload waits to be released
 	// (release.go).
 	releasing int
-	// reported is when a pass last reported every mount's status, and
-	// statusEvery how often one may; unreported is the desired state of
-	// the last pass if it left its status for later (loop.go).
-	reported    time.Time
-	statusEvery time.Duration
-	unreported  DesiredState
+	// reported is when a pass last reported every mount's status;
+	// unreported is the desired state of the last pass if it left its
+	// status for later (statusEvery, loop.go).
+	reported   time.Time
+	unreported DesiredState
 }
 
 type reloadRequest struct {
@@ -199,18 +198,17 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 	pop.WakeOnBuild(trigger.Fire)
 	r := &Reconciler{
 		log: log, pop: pop, owned: owned, trigger: trigger, opts: opts,
-		asw:         NewActualState(),
-		runtimes:    map[string]*runtime{},
-		results:     make(chan result),
-		reloads:     make(chan reloadRequest),
-		adopts:      make(chan adoptRequest),
-		pings:       make(chan chan struct{}),
-		running:     map[string]opClass{},
-		kinds:       map[string]OpKind{},
-		digests:     map[string]digestAt{},
-		openFiles:   openFileLimit(),
-		procs:       newProcs(log),
-		statusEvery: statusEvery,
+		asw:       NewActualState(),
+		runtimes:  map[string]*runtime{},
+		results:   make(chan result),
+		reloads:   make(chan reloadRequest),
+		adopts:    make(chan adoptRequest),
+		pings:     make(chan chan struct{}),
+		running:   map[string]opClass{},
+		kinds:     map[string]OpKind{},
+		digests:   map[string]digestAt{},
+		openFiles: openFileLimit(),
+		procs:     newProcs(log),
 	}
 	var peeks errgroup.Group
 	peeks.SetLimit(peekers)
