@@ -96,7 +96,7 @@ func benchReconciler(b *testing.B, cache *fakeCache, mounts []*config.Mount) (*R
 
 // BenchmarkPlanColdStart measures the plan of one pass in the middle of a
 // cold start of 1,000 mounts: 500 projected, 500 to set up, each of which
-// is checked against every projected mount's directory (dirTaken). Run
+// is checked against the projected mounts' directories (takenDirs). Run
 // with: go test -run '^$' -bench PlanColdStart ./reconcile
 func BenchmarkPlanColdStart(b *testing.B) {
 	const n = 1000
