@@ -19,14 +19,7 @@ func BenchmarkRemoteResend(b *testing.B) {
 	const mounts, keys = 1000, 100
 	var first, resent float64
 	for range b.N {
-		r := NewRemote()
-		var specs []*config.Mount
-		for i := range mounts {
-			specs = append(specs, &config.Mount{Name: fmt.Sprintf("m%04d", i), UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}})
-		}
-		if err := r.SetMounts(specs); err != nil {
-			b.Fatal(err)
-		}
+		r, specs := benchRemote(b, mounts)
 		sendAll := func() {
 			for _, m := range specs {
 				files := make(projector.Payload, keys)
@@ -63,14 +56,7 @@ func liveHeap() uint64 {
 // with: go test -run '^$' -bench RemotePopulate ./privsep
 func BenchmarkRemotePopulate(b *testing.B) {
 	const mounts = 1000
-	r := NewRemote()
-	var specs []*config.Mount
-	for i := range mounts {
-		specs = append(specs, &config.Mount{Name: fmt.Sprintf("m%04d", i), UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}})
-	}
-	if err := r.SetMounts(specs); err != nil {
-		b.Fatal(err)
-	}
+	r, specs := benchRemote(b, mounts)
 	for _, m := range specs {
 		r.HandleMessage("main", &MountState{Mount: m.Name, Generation: 1, Revision: "main@1"})
 	}
@@ -85,4 +71,19 @@ func BenchmarkRemotePopulate(b *testing.B) {
 			b.Fatalf("no desired state of %s", m.Name)
 		}
 	}
+}
+
+// benchRemote returns a Remote configured with n mounts of source "main"
+// (m0000, m0001, ...), and their configurations.
+func benchRemote(b *testing.B, n int) (*Remote, []*config.Mount) {
+	b.Helper()
+	r := NewRemote()
+	var specs []*config.Mount
+	for i := range n {
+		specs = append(specs, &config.Mount{Name: fmt.Sprintf("m%04d", i), UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}})
+	}
+	if err := r.SetMounts(specs); err != nil {
+		b.Fatal(err)
+	}
+	return r, specs
 }
