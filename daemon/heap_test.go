@@ -18,7 +18,7 @@ import (
 // nothing, and not while the burst goes on.
 func TestHeapReleaseAfterBursts(t *testing.T) {
 	var released atomic.Int32
-	h := &heapRelease{quiet: time.Second, release: func() { released.Add(1) }}
+	h := &heapRelease{quiet: time.Second, release: func() error { released.Add(1); return nil }}
 	t.Cleanup(h.stop)
 	switched := reconcile.ProjectedEvent{Mount: "m", Change: projector.Change{Changed: []string{"f"}}}
 	unchanged := reconcile.ProjectedEvent{Mount: "m"}
@@ -120,5 +120,25 @@ func TestHeapReleasedAfterWorkerResend(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatalf("worker %s did not release its heap after sending its payloads", second)
 		}
+	}
+}
+
+// TestExecutablePagesReleased: after its first projection the monitor,
+// and after its first payloads the worker — confined, its seccomp filter
+// and Landlock ruleset in force — return their heap and unmap their
+// executable's pages (exepages) without an error, and the worker goes on
+// serving updates from the code it maps again.
+func TestExecutablePagesReleased(t *testing.T) {
+	h := newHarness(t)
+	h.put("/apps/web/app.conf", "v1")
+	h.writeConfig(h.mount("web", "/apps/web/"))
+	h.start()
+	h.waitContent(h.path("mnt", "web"), map[string]string{"app.conf": "v1"})
+	h.waitLog("returned the free heap memory to the system after the first projection")
+	h.waitLog("returned the free heap memory to the system after the first payloads", "from=worker")
+	h.put("/apps/web/app.conf", "v2")
+	h.waitContent(h.path("mnt", "web"), map[string]string{"app.conf": "v2"})
+	if n := h.logs.Count("the executable's pages stay mapped"); n != 0 {
+		t.Fatalf("%d failures to unmap the executable's pages:\n%s", n, h.logs.String())
 	}
 }

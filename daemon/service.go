@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime/debug"
 	"slices"
 	"sort"
 	"strings"
@@ -23,6 +22,9 @@ import (
 // events.
 type service struct {
 	notify func(state string)
+	// release returns the memory the first projection left (heapRelease.now)
+	// without blocking; nil: nothing is released.
+	release func(why string)
 
 	mu     sync.Mutex
 	ready  bool
@@ -64,9 +66,12 @@ func (s *service) Observe(ev reconcile.Event) {
 		// Projecting every mount from cold makes most of the garbage the
 		// daemon will ever make; give it back to the system now rather
 		// than when the runtime's scavenger gets to it (measured with
-		// 100,000 keys: RSS at rest 143 MiB without, see BENCHMARKS.md).
-		// On its own goroutine: Observe must not block the loop.
-		go debug.FreeOSMemory()
+		// 100,000 keys: RSS at rest 143 MiB without, see BENCHMARKS.md),
+		// and unmap the start's code. In the background: Observe must not
+		// block the loop.
+		if s.release != nil {
+			s.release("the first projection")
+		}
 	}
 }
 

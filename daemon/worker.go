@@ -11,13 +11,13 @@ import (
 	"os/signal"
 	"reflect"
 	"runtime"
-	"runtime/debug"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/exepages"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/projector"
@@ -128,7 +128,13 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 		webhooks: &http.Client{},
 	}
 	w.log = slog.New(w.link.Handler(w.level))
-	w.heap = newHeapRelease(w.log, 0)
+	// The executable's mappings, read while /proc can be: the worker's
+	// Landlock ruleset does not let it read there.
+	image, err := exepages.Find()
+	if err != nil {
+		w.log.Warn("the executable's pages stay mapped", "err", err)
+	}
+	w.heap = newHeapRelease(w.log, 0, image)
 	defer w.heap.stop()
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
@@ -361,7 +367,7 @@ func (w *worker) publish() error {
 		// garbage the worker will ever make; it goes back to the system
 		// now, not when the runtime's scavenger gets to it.
 		w.settled = true
-		go debug.FreeOSMemory()
+		w.heap.now("the first payloads")
 	}
 	return nil
 }

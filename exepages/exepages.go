@@ -1,0 +1,232 @@
+// Package exepages lets a long-running process stop holding the pages of
+// its own executable that it mapped once and no longer runs: the start's
+// code, every package's initialisation, the configuration's parsing.
+//
+// A Go binary's text, read-only data and function tables (kvmount's are
+// 23 MB) are file pages, mapped from the page cache. The kernel maps more
+// of them than the process touches: on a fault it maps the pages around
+// the one touched that the page cache holds (fault-around, 64 KiB by
+// default), and since Linux 6.18 the whole large folio the page belongs to
+// (mm/filemap.c, filemap_map_pages) — up to 2 MiB on a file system with
+// large folios, such as ext4 or XFS for a file just written by a package
+// manager. What is mapped counts in the process's RSS and PSS, and stays
+// mapped for the process's life. Measured here, a daemon with one small
+// mount kept 19–20 MiB of its binary's pages mapped across its two
+// processes, 10 MiB after a Drop (BENCHMARKS.md).
+//
+// Drop unmaps them (madvise(2) MADV_DONTNEED). The pages stay in the page
+// cache, shared with every process that maps them, and the kernel reclaims
+// them first when memory is short; the process maps again, through a minor
+// fault, what it runs next. For a private mapping that was never written,
+// MADV_DONTNEED brings back the file's own content (madvise(2)), which for
+// a read-only mapping of the executable is what was there: Find keeps only
+// such mappings, and leaves out one that holds a page of its own (a
+// dynamic loader's relocated RELRO page, a debugger's breakpoint).
+package exepages
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Image is the running executable's read-only private mappings, as Find
+// found them. Its methods are safe for concurrent use; a nil *Image has
+// none.
+type Image struct {
+	spans []span
+}
+
+// span is one mapping: its addresses [start, end) and the bytes of it
+// resident when it was read (smaps' Rss).
+type span struct {
+	start, end uintptr
+	rss        int64
+}
+
+// Find returns the mappings of the running executable (the file
+// /proc/self/exe names, by device and inode, so a binary replaced on disk
+// since the start is still found) that are private, not writable and hold
+// no page of their own (smaps' Anonymous is 0), read from
+// /proc/self/smaps. Call it before the process loses access to /proc
+// (Landlock). It returns an error when /proc/self/exe or
+// /proc/self/smaps cannot be read, or smaps cannot be parsed.
+func Find() (*Image, error) {
+	var st unix.Stat_t
+	if err := unix.Stat("/proc/self/exe", &st); err != nil {
+		return nil, fmt.Errorf("the executable: %w", err)
+	}
+	f, err := os.Open("/proc/self/smaps")
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	spans, err := parseSmaps(f, unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
+	if err != nil {
+		return nil, fmt.Errorf("/proc/self/smaps: %w", err)
+	}
+	return &Image{spans: spans}, nil
+}
+
+// Size returns the bytes of address space the image's mappings span.
+func (im *Image) Size() int64 {
+	var n int64
+	if im != nil {
+		for _, s := range im.spans {
+			n += int64(s.end - s.start)
+		}
+	}
+	return n
+}
+
+// Resident returns the bytes of the image's mappings that were resident
+// when Find read them (smaps' Rss): the pages the process had mapped.
+func (im *Image) Resident() int64 {
+	var n int64
+	if im != nil {
+		for _, s := range im.spans {
+			n += s.rss
+		}
+	}
+	return n
+}
+
+// Drop unmaps every page of the image from the process's page tables
+// (madvise(2) MADV_DONTNEED); the process maps again what it runs next. It
+// returns the first error of madvise, after trying every mapping; nil for
+// a nil or empty image.
+//
+// A breakpoint or uprobe placed in the image's text after Find is lost
+// (the page it was written to is dropped); one placed before keeps its
+// mapping out of the image.
+func (im *Image) Drop() error {
+	if im == nil {
+		return nil
+	}
+	var errs []error
+	for _, s := range im.spans {
+		// A raw call: unix.Madvise takes a []byte, which these addresses
+		// would need package unsafe to make.
+		if _, _, e := unix.Syscall(unix.SYS_MADVISE, s.start, s.end-s.start, unix.MADV_DONTNEED); e != 0 {
+			errs = append(errs, fmt.Errorf("madvise %#x-%#x: %w", s.start, s.end, e))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// maxSmapsLine bounds a line of smaps, in bytes: a mapping's header holds
+// a path of at most PATH_MAX (4,096) bytes, escaped.
+const maxSmapsLine = 64 << 10
+
+// parseSmaps returns the mappings in r, the text of /proc/<pid>/smaps
+// (proc(5)), of the file on device major:minor with inode ino that are
+// private ('p'), readable and not writable, and whose Anonymous field is
+// 0 kB.
+func parseSmaps(r io.Reader, major, minor uint32, ino uint64) ([]span, error) {
+	var (
+		spans []span
+		cur   *span // the current mapping, when it is the file's
+		anon  bool  // the current mapping holds anonymous pages
+	)
+	end := func() {
+		if cur != nil && !anon {
+			spans = append(spans, *cur)
+		}
+		cur, anon = nil, false
+	}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 4096), maxSmapsLine)
+	for sc.Scan() {
+		line := sc.Text()
+		name, value, isField := strings.Cut(line, ":")
+		if isField && !strings.Contains(name, " ") && !strings.Contains(name, "-") {
+			// A field of the current mapping: "Rss:   1234 kB".
+			if cur == nil {
+				continue
+			}
+			switch name {
+			case "Rss":
+				kb, err := kilobytes(value)
+				if err != nil {
+					return nil, fmt.Errorf("%q: %w", line, err)
+				}
+				cur.rss = kb << 10
+			case "Anonymous":
+				kb, err := kilobytes(value)
+				if err != nil {
+					return nil, fmt.Errorf("%q: %w", line, err)
+				}
+				anon = kb != 0
+			}
+			continue
+		}
+		// A mapping's header: "start-end perms offset major:minor inode path".
+		end()
+		s, ok, err := header(line, major, minor, ino)
+		if err != nil {
+			return nil, fmt.Errorf("%q: %w", line, err)
+		}
+		if ok {
+			cur = &s
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	end()
+	return spans, nil
+}
+
+// header parses a mapping's header line and reports whether it is a
+// private, readable, not writable mapping of the file major:minor, ino.
+func header(line string, major, minor uint32, ino uint64) (span, bool, error) {
+	f := strings.Fields(line)
+	if len(f) < 5 {
+		return span{}, false, errors.New("not a mapping's header")
+	}
+	lo, hi, ok := strings.Cut(f[0], "-")
+	if !ok {
+		return span{}, false, errors.New("no address range")
+	}
+	start, err := strconv.ParseUint(lo, 16, 64)
+	if err != nil {
+		return span{}, false, err
+	}
+	stop, err := strconv.ParseUint(hi, 16, 64)
+	if err != nil || stop < start {
+		return span{}, false, fmt.Errorf("address range %q", f[0])
+	}
+	perms := f[1]
+	if len(perms) != 4 || perms[0] != 'r' || perms[1] != '-' || perms[3] != 'p' {
+		return span{}, false, nil
+	}
+	maj, mnr, ok := strings.Cut(f[3], ":")
+	if !ok {
+		return span{}, false, fmt.Errorf("device %q", f[3])
+	}
+	dmaj, err1 := strconv.ParseUint(maj, 16, 32)
+	dmin, err2 := strconv.ParseUint(mnr, 16, 32)
+	inode, err3 := strconv.ParseUint(f[4], 10, 64)
+	if err := errors.Join(err1, err2, err3); err != nil {
+		return span{}, false, err
+	}
+	if uint32(dmaj) != major || uint32(dmin) != minor || inode != ino || inode == 0 {
+		return span{}, false, nil
+	}
+	return span{start: uintptr(start), end: uintptr(stop)}, true, nil
+}
+
+// kilobytes parses a field's value, "   1234 kB", in KiB.
+func kilobytes(v string) (int64, error) {
+	n, unit, _ := strings.Cut(strings.TrimSpace(v), " ")
+	if unit != "kB" {
+		return 0, fmt.Errorf("unit %q, not kB", unit)
+	}
+	return strconv.ParseInt(n, 10, 64)
+}

@@ -1,0 +1,131 @@
+package exepages
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// smaps is /proc/self/smaps of a dynamically linked build (cgo), cut
+// down: its header, text, read-only data, the RELRO page the dynamic
+// loader wrote to, its data, a heap mapping and a library's text.
+const smaps = `00400000-00402000 r--p 00000000 fd:01 5243102                            /usr/bin/kvmount
+Size:                  8 kB
+Rss:                   8 kB
+Anonymous:             0 kB
+VmFlags: rd mr mw me dw sd
+00402000-00e65000 r-xp 00002000 fd:01 5243102                            /usr/bin/kvmount (deleted)
+Size:              10636 kB
+Rss:                9164 kB
+Pss:                4582 kB
+Anonymous:             0 kB
+THPeligible:           0
+VmFlags: rd ex mr mw me dw sd
+00e65000-01a53000 r--p 00a65000 fd:01 5243102                            /usr/bin/kvmount
+Size:              12216 kB
+Rss:                8504 kB
+Anonymous:             0 kB
+VmFlags: rd mr mw me dw sd
+01a53000-01a54000 r--p 01653000 fd:01 5243102                            /usr/bin/kvmount
+Size:                  4 kB
+Rss:                   4 kB
+Anonymous:             4 kB
+VmFlags: rd mr mw me ac sd
+01a54000-01afe000 rw-p 01654000 fd:01 5243102                            /usr/bin/kvmount
+Size:                680 kB
+Rss:                 500 kB
+Anonymous:           120 kB
+VmFlags: rd wr mr mw me ac sd
+02c8e000-02caf000 rw-p 00000000 00:00 0                                  [heap]
+Size:                132 kB
+Rss:                   8 kB
+Anonymous:             8 kB
+VmFlags: rd wr mr mw me ac sd
+7f0e3c028000-7f0e3c1b0000 r-xp 00028000 fd:01 5250001                    /usr/lib/x86_64-linux-gnu/libc.so.6
+Size:               1568 kB
+Rss:                 800 kB
+Anonymous:             0 kB
+VmFlags: rd ex mr mw me sd
+7f0e3c1b0000-7f0e3c1c0000 r--s 00000000 fd:01 5243102                    /usr/bin/kvmount
+Size:                 64 kB
+Rss:                  64 kB
+Anonymous:             0 kB
+VmFlags: rd mr me ms sd
+`
+
+func TestParseSmaps(t *testing.T) {
+	got, err := parseSmaps(strings.NewReader(smaps), 0xfd, 0x01, 5243102)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The header, the text and the read-only data: not the RELRO page
+	// (a page of its own), the data (writable), the heap, the library (another
+	// file) or a shared mapping.
+	want := []span{
+		{start: 0x400000, end: 0x402000, rss: 8 << 10},
+		{start: 0x402000, end: 0xe65000, rss: 9164 << 10},
+		{start: 0xe65000, end: 0x1a53000, rss: 8504 << 10},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("parseSmaps = %#v, want %#v", got, want)
+	}
+	im := &Image{spans: got}
+	if im.Size() != 0x1a53000-0x400000 || im.Resident() != (8+9164+8504)<<10 {
+		t.Fatalf("Size %d, Resident %d", im.Size(), im.Resident())
+	}
+	// Another device, the same inode: nothing.
+	if other, err := parseSmaps(strings.NewReader(smaps), 0xfd, 0x02, 5243102); err != nil || len(other) != 0 {
+		t.Fatalf("another device: %v, %v", other, err)
+	}
+}
+
+func TestParseSmapsRefusesGarbage(t *testing.T) {
+	for _, text := range []string{
+		"00400000 r--p 00000000 fd:01 5243102 /x\n",                        // no range
+		"00500000-00400000 r--p 00000000 fd:01 5243102 /x\n",               // backwards
+		"00400000-00402000 r--p 00000000 fd01 5243102 /x\n",                // device
+		"00400000-00402000 r--p 00000000 fd:01 5243102 /x\nRss: 8 pages\n", // unit
+		"00400000-00402000 r--p 00000000 fd:01 5243102 /x\nRss: x kB\n",    // number
+	} {
+		if _, err := parseSmaps(strings.NewReader(text), 0xfd, 0x01, 5243102); err == nil {
+			t.Errorf("parseSmaps(%q) = nil error", text)
+		}
+	}
+}
+
+// TestDropUnmapsTheExecutable drops the test binary's own pages: its
+// mappings are found, resident, and fewer of their pages are mapped after
+// the Drop, while the program goes on running from them.
+func TestDropUnmapsTheExecutable(t *testing.T) {
+	before, err := Find()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc := uintptr(reflect.ValueOf(Find).Pointer())
+	var text bool
+	for _, s := range before.spans {
+		text = text || (s.start <= pc && pc < s.end)
+	}
+	if !text {
+		t.Fatalf("no mapping found holds Find's code at %#x: %#v", pc, before.spans)
+	}
+	if before.Resident() <= 0 || before.Resident() > before.Size() {
+		t.Fatalf("%d bytes resident of %d", before.Resident(), before.Size())
+	}
+	if err := before.Drop(); err != nil {
+		t.Fatal(err)
+	}
+	after, err := Find()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("the test binary's pages mapped: %d KiB before the drop, %d KiB after (%d KiB mapped)", before.Resident()>>10, after.Resident()>>10, before.Size()>>10)
+	if after.Resident() >= before.Resident() {
+		t.Fatalf("%d bytes mapped after the drop, %d before", after.Resident(), before.Resident())
+	}
+	// A nil image has nothing to drop.
+	var none *Image
+	if err := none.Drop(); err != nil || none.Size() != 0 || none.Resident() != 0 {
+		t.Fatalf("nil image: %v", err)
+	}
+}
