@@ -19,7 +19,9 @@ import (
 // all (one worker). It reports the time from the start to every mount
 // projected (start-ms), the workers, and the memory at rest of the
 // monitor and its workers together (the sum of their PSS, pss-MiB) and of
-// each worker (pss-worker-MiB, their mean).
+// each worker (pss-worker-MiB, their mean). With $KVMOUNT_BENCH_BASELINE
+// set (see BenchmarkPutToFile), that binary runs too, right before this
+// tree's in every iteration, and its figures are prefixed "baseline-".
 func BenchmarkWorkersPerDomain(b *testing.B) {
 	for _, sources := range []int{1, 4, 8} {
 		for _, layout := range []string{"own", "joined"} {
@@ -33,8 +35,18 @@ func BenchmarkWorkersPerDomain(b *testing.B) {
 	}
 }
 
+// domainsRun is what benchDomains sums for one binary over its iterations.
+type domainsRun struct {
+	start          time.Duration
+	pss, workerPSS int64
+	workers        int
+}
+
 func benchDomains(b *testing.B, sources int, joined bool) {
-	bin := buildKvmount(b)
+	bins := []struct{ prefix, path string }{{"", buildKvmount(b)}}
+	if baseline := os.Getenv("KVMOUNT_BENCH_BASELINE"); baseline != "" {
+		bins = append([]struct{ prefix, path string }{{"baseline-", baseline}}, bins...)
+	}
 	store := etcdStore(b)
 	for s := range sources {
 		var kv []string
@@ -43,65 +55,75 @@ func benchDomains(b *testing.B, sources int, joined bool) {
 		}
 		store.seed(kv)
 	}
-	var start time.Duration
-	var pss, workerPSS int64
-	var workers int
+	runs := make([]domainsRun, len(bins))
 	for range b.N {
-		base := b.TempDir()
-		var cfg strings.Builder
-		fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s", filepath.Join(base, "state"), noAdmin(b, bin))
-		for s := range sources {
-			fmt.Fprintf(&cfg, "[sources.s%d]\n%s", s, store.source)
+		for i, bin := range bins {
+			runDomains(b, bin.path, store, sources, joined, &runs[i])
 		}
-		for s := range sources {
-			fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%d\"\ndir = %q\nsource = \"s%d\"\nprefix = \"/dom/s%d/\"\n", s, filepath.Join(base, "mnt", fmt.Sprintf("m%d", s)), s, s)
-		}
-		if joined {
-			fmt.Fprintf(&cfg, "[[mount]]\nname = \"all\"\ndir = %q\n", filepath.Join(base, "mnt", "all"))
-			for s := range sources {
-				fmt.Fprintf(&cfg, "  [[mount.projections]]\n  source = \"s%d\"\n  prefix = \"/dom/s%d/\"\n  items = [{ key = \"key-0\", path = \"s%d\" }]\n", s, s, s)
-			}
-		}
-		configPath := filepath.Join(base, "kvmount.toml")
-		if err := os.WriteFile(configPath, []byte(cfg.String()), 0o644); err != nil {
-			b.Fatal(err)
-		}
-		t0 := time.Now()
-		cmd := exec.Command(bin, "run", "-config", configPath)
-		cmd.Stderr = io.Discard
-		if err := cmd.Start(); err != nil {
-			b.Fatal(err)
-		}
-		for s := sources - 1; s >= 0; {
-			if _, err := os.Stat(filepath.Join(base, "mnt", fmt.Sprintf("m%d", s), "key-9")); err == nil {
-				s--
-				continue
-			}
-			if time.Since(t0) > time.Minute {
-				b.Fatalf("mount m%d never projected", s)
-			}
-			time.Sleep(time.Millisecond)
-		}
-		start += time.Since(t0)
-		// At rest: past the first garbage collections.
-		time.Sleep(5 * time.Second)
-		children := childPIDs(b, cmd.Process.Pid)
-		total := processMemory(b, cmd.Process.Pid)["Pss"]
-		var own int64
-		for _, c := range children {
-			p := processMemory(b, c)["Pss"]
-			total += p
-			own += p
-		}
-		pss += total
-		workerPSS += own / int64(max(len(children), 1))
-		workers = len(children)
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		_ = cmd.Wait()
 	}
 	n := float64(b.N)
-	b.ReportMetric(start.Seconds()*1000/n, "start-ms")
-	b.ReportMetric(float64(workers), "workers")
-	b.ReportMetric(float64(pss)/n/(1<<20), "pss-MiB")
-	b.ReportMetric(float64(workerPSS)/n/(1<<20), "pss-worker-MiB")
+	for i, bin := range bins {
+		r := runs[i]
+		b.ReportMetric(r.start.Seconds()*1000/n, bin.prefix+"start-ms")
+		b.ReportMetric(float64(r.workers), bin.prefix+"workers")
+		b.ReportMetric(float64(r.pss)/n/(1<<20), bin.prefix+"pss-MiB")
+		b.ReportMetric(float64(r.workerPSS)/n/(1<<20), bin.prefix+"pss-worker-MiB")
+	}
+}
+
+// runDomains runs bin once with a daemon of sources sources (joined or
+// not, see benchDomains) and adds its figures to r.
+func runDomains(b *testing.B, bin string, store benchStore, sources int, joined bool, r *domainsRun) {
+	base := b.TempDir()
+	var cfg strings.Builder
+	fmt.Fprintf(&cfg, "state_dir = %q\nresync_interval = \"1h\"\n%s", filepath.Join(base, "state"), noAdmin(b, bin))
+	for s := range sources {
+		fmt.Fprintf(&cfg, "[sources.s%d]\n%s", s, store.source)
+	}
+	for s := range sources {
+		fmt.Fprintf(&cfg, "[[mount]]\nname = \"m%d\"\ndir = %q\nsource = \"s%d\"\nprefix = \"/dom/s%d/\"\n", s, filepath.Join(base, "mnt", fmt.Sprintf("m%d", s)), s, s)
+	}
+	if joined {
+		fmt.Fprintf(&cfg, "[[mount]]\nname = \"all\"\ndir = %q\n", filepath.Join(base, "mnt", "all"))
+		for s := range sources {
+			fmt.Fprintf(&cfg, "  [[mount.projections]]\n  source = \"s%d\"\n  prefix = \"/dom/s%d/\"\n  items = [{ key = \"key-0\", path = \"s%d\" }]\n", s, s, s)
+		}
+	}
+	configPath := filepath.Join(base, "kvmount.toml")
+	if err := os.WriteFile(configPath, []byte(cfg.String()), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	evictBinary(b, bin)
+	t0 := time.Now()
+	cmd := exec.Command(bin, "run", "-config", configPath)
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	for s := sources - 1; s >= 0; {
+		if _, err := os.Stat(filepath.Join(base, "mnt", fmt.Sprintf("m%d", s), "key-9")); err == nil {
+			s--
+			continue
+		}
+		if time.Since(t0) > time.Minute {
+			b.Fatalf("mount m%d never projected", s)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	r.start += time.Since(t0)
+	// At rest: past the first garbage collections.
+	time.Sleep(5 * time.Second)
+	children := childPIDs(b, cmd.Process.Pid)
+	total := processMemory(b, cmd.Process.Pid)["Pss"]
+	var own int64
+	for _, c := range children {
+		p := processMemory(b, c)["Pss"]
+		total += p
+		own += p
+	}
+	r.pss += total
+	r.workerPSS += own / int64(max(len(children), 1))
+	r.workers = len(children)
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	_ = cmd.Wait()
 }
