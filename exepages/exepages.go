@@ -11,8 +11,9 @@
 // large folios, such as ext4 or XFS for a file just written by a package
 // manager. What is mapped counts in the process's RSS and PSS, and stays
 // mapped for the process's life. Measured here, a daemon with one small
-// mount kept 19–20 MiB of its binary's pages mapped across its two
-// processes, 10 MiB after a Drop (BENCHMARKS.md).
+// mount had about 20 MiB of its binary's pages mapped across its two
+// processes at rest, and 12 MiB when each dropped them after its start
+// (BENCHMARKS.md, "The executable's pages").
 //
 // Drop unmaps them (madvise(2) MADV_DONTNEED). The pages stay in the page
 // cache, shared with every process that maps them, and the kernel reclaims
