@@ -42,10 +42,14 @@ type domainsRun struct {
 	workers        int
 }
 
+// domainsBinary is a binary benchDomains runs, and the prefix of its
+// figures.
+type domainsBinary struct{ prefix, path string }
+
 func benchDomains(b *testing.B, sources int, joined bool) {
-	bins := []struct{ prefix, path string }{{"", buildKvmount(b)}}
+	bins := []domainsBinary{{"", buildKvmount(b)}}
 	if baseline := os.Getenv("KVMOUNT_BENCH_BASELINE"); baseline != "" {
-		bins = append([]struct{ prefix, path string }{{"baseline-", baseline}}, bins...)
+		bins = append([]domainsBinary{{"baseline-", baseline}}, bins...)
 	}
 	store := etcdStore(b)
 	for s := range sources {

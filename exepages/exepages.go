@@ -115,7 +115,9 @@ func (im *Image) Drop() error {
 		// A raw call: unix.Madvise takes a []byte, which these addresses
 		// would need package unsafe to make.
 		if _, _, e := unix.Syscall(unix.SYS_MADVISE, s.start, s.end-s.start, unix.MADV_DONTNEED); e != 0 {
-			errs = append(errs, fmt.Errorf("madvise %#x-%#x: %w", s.start, s.end, e))
+			// The size, not the addresses: a log line need not
+			// tell where the program's code is.
+			errs = append(errs, fmt.Errorf("madvise(MADV_DONTNEED) of a mapping of %d bytes: %w", s.end-s.start, e))
 		}
 	}
 	return errors.Join(errs...)
