@@ -6,10 +6,10 @@
 // 23 MB) are file pages, mapped from the page cache. The kernel maps more
 // of them than the process touches: on a fault it maps the pages around
 // the one touched that the page cache holds (fault-around, 64 KiB by
-// default), and since Linux 6.18 the whole large folio the page belongs to
-// (mm/filemap.c, filemap_map_pages) — up to 2 MiB on a file system with
-// large folios, such as ext4 or XFS for a file just written by a package
-// manager. What is mapped counts in the process's RSS and PSS, and stays
+// default), and on Linux 6.18 (measured here) the whole large folio the
+// page belongs to (mm/filemap.c, filemap_map_pages) — 2 MiB for the
+// folios ext4 holds a file the Go linker has just written in. What is
+// mapped counts in the process's RSS and PSS, and stays
 // mapped for the process's life. Measured here, a daemon with one small
 // mount had about 20 MiB of its binary's pages mapped across its two
 // processes at rest, and 12 MiB when each dropped them after its start
