@@ -825,8 +825,9 @@ func BenchmarkScale100kKeys(b *testing.B) {
 // posix_fadvise POSIX_FADV_DONTNEED), so that the daemon started next
 // reads its binary from disk as after a boot. A binary the Go linker has
 // just written sits in the page cache in large folios (2 MiB on ext4 with
-// Linux 6.18), and there a fault maps the whole large folio (exepages): the processes' file PSS then counts nearly the whole binary,
-// whatever they run. With $KVMOUNT_BENCH_KEEP_BINARY_CACHE set, it does
+// Linux 6.18), and there a fault maps the whole large folio (exepages):
+// the processes' file PSS then counts nearly the whole binary, whatever
+// they run. With $KVMOUNT_BENCH_KEEP_BINARY_CACHE set, it does
 // nothing: the conditions of the figures before 2026-11-28's.
 func evictBinary(b *testing.B, bin string) {
 	b.Helper()

@@ -18,7 +18,6 @@ import (
 
 	"github.com/kvmount/kvmount/admin"
 	"github.com/kvmount/kvmount/config"
-	"github.com/kvmount/kvmount/exepages"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/reconcile"
 	"github.com/kvmount/kvmount/source"
@@ -144,13 +143,7 @@ func load(opts Options, observer reconcile.Observer, svc *service) (*daemon, err
 		d.notifier = notify.New(nopts)
 		d.notifier.SetMounts(cfg.Mounts)
 		observers = append(observers, notifyChanges{d.notifier})
-		// The executable's mappings, read now: the release after the
-		// first projection and after bursts unmaps them (exepages).
-		image, err := exepages.Find()
-		if err != nil {
-			d.log.Warn("the executable's pages stay mapped", "err", err)
-		}
-		d.heap = newHeapRelease(d.log, opts.heapQuiet, image)
+		d.heap = newHeapRelease(d.log, opts.heapQuiet)
 		svc.release = d.heap.now
 		observers = append(observers, d.heap)
 	}

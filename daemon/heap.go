@@ -54,12 +54,17 @@ type heapRelease struct {
 }
 
 // newHeapRelease returns a heapRelease that logs each release to log, at
-// the debug level (a failure to unmap image's pages at the warning
-// level); quiet replaces burstQuiet when not zero (tests). image may be
-// nil: then only the heap is released.
-func newHeapRelease(log *slog.Logger, quiet time.Duration, image *exepages.Image) *heapRelease {
+// the debug level; quiet replaces burstQuiet when not zero (tests). It
+// reads the executable's mappings now (exepages.Find), so a worker calls
+// it before its Landlock ruleset closes /proc; when they cannot be read,
+// or later unmapped, it logs a warning and releases only the heap.
+func newHeapRelease(log *slog.Logger, quiet time.Duration) *heapRelease {
 	if quiet == 0 {
 		quiet = burstQuiet
+	}
+	image, err := exepages.Find()
+	if err != nil && log != nil {
+		log.Warn("the executable's pages stay mapped", "err", err)
 	}
 	return &heapRelease{log: log, quiet: quiet, release: func() error {
 		debug.FreeOSMemory()

@@ -17,7 +17,6 @@ import (
 	"syscall"
 
 	"github.com/kvmount/kvmount/config"
-	"github.com/kvmount/kvmount/exepages"
 	"github.com/kvmount/kvmount/notify"
 	"github.com/kvmount/kvmount/privsep"
 	"github.com/kvmount/kvmount/projector"
@@ -128,13 +127,9 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 		webhooks: &http.Client{},
 	}
 	w.log = slog.New(w.link.Handler(w.level))
-	// The executable's mappings, read while /proc can be: the worker's
-	// Landlock ruleset does not let it read there.
-	image, err := exepages.Find()
-	if err != nil {
-		w.log.Warn("the executable's pages stay mapped", "err", err)
-	}
-	w.heap = newHeapRelease(w.log, 0, image)
+	// Before confinement: it reads the executable's mappings in /proc,
+	// which the worker's Landlock ruleset closes.
+	w.heap = newHeapRelease(w.log, 0)
 	defer w.heap.stop()
 	applies := make(chan applyRequest)
 	readErr := make(chan error, 1)
