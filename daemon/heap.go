@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"log/slog"
+	"runtime"
 	"runtime/debug"
 	"sync"
 	"time"
@@ -33,6 +34,19 @@ const (
 	burstQuiet = config.DefaultKeepReplaced + 5*time.Second
 )
 
+// restDropEvery is how often, at most, a process at rest unmaps its
+// executable's pages again after a collection (heapRelease.collected).
+// The Go runtime forces a collection every two minutes at rest
+// (runtime/proc.go, forcegcperiod); each maps again the collector's code
+// and the type and function tables of what it scans — 3–5 MiB a process,
+// measured with one small mount (BENCHMARKS.md).
+const restDropEvery = time.Minute
+
+// processImage is the running executable's mappings (exepages.Find), read
+// once for the process's life: every daemon of a monitor's reloads shares
+// it, and a worker finds it before its confinement.
+var processImage = sync.OnceValues(exepages.Find)
+
 // heapRelease is an observer that returns the free heap memory to the
 // system (debug.FreeOSMemory) once burstWrites switches and payloads
 // taken or sent (Payload) have happened since the last release and none for
@@ -41,42 +55,58 @@ const (
 //
 // Each release also unmaps the executable's pages (exepages): those of
 // the code the burst ran, or the start's, which the process maps again
-// only if it runs them again. Measured with one small mount, the two
+// only if it runs them again. So does each collection of the Go runtime
+// once the process has been quiet for burstQuiet, at most every
+// restDropEvery (collected). Measured with one small mount, the two
 // processes' PSS at rest falls from 31 to 23 MiB (BENCHMARKS.md).
 type heapRelease struct {
-	log     *slog.Logger
-	quiet   time.Duration
-	release func() error
+	log       *slog.Logger
+	quiet     time.Duration
+	restEvery time.Duration
+	// drop unmaps the executable's pages; release returns the free
+	// heap and calls drop.
+	drop, release func() error
 
-	mu      sync.Mutex
-	written int
-	timer   *time.Timer
+	mu        sync.Mutex
+	written   int
+	timer     *time.Timer
+	lastWrite time.Time // the last switch or payload counted
+	lastDrop  time.Time // the last drop; zero until the first release
+	stopped   bool
 }
 
 // newHeapRelease returns a heapRelease that logs each release to log, at
 // the debug level; quiet replaces burstQuiet when not zero (tests). It
-// reads the executable's mappings now (exepages.Find), so a worker calls
+// reads the executable's mappings now (processImage), so a worker calls
 // it before its Landlock ruleset closes /proc; when they cannot be read,
-// or later unmapped, it logs a warning and releases only the heap.
+// or later unmapped, it logs a warning and releases only the heap. It
+// follows the runtime's collections (collected) until stop.
 func newHeapRelease(log *slog.Logger, quiet time.Duration) *heapRelease {
 	if quiet == 0 {
 		quiet = burstQuiet
 	}
-	image, err := exepages.Find()
+	image, err := processImage()
 	if err != nil && log != nil {
 		log.Warn("the executable's pages stay mapped", "err", err)
 	}
-	return &heapRelease{log: log, quiet: quiet, release: func() error {
+	h := &heapRelease{log: log, quiet: quiet, restEvery: restDropEvery, drop: image.Drop}
+	h.release = func() error {
 		debug.FreeOSMemory()
-		return image.Drop()
-	}}
+		return h.drop()
+	}
+	h.watchCollections()
+	return h
 }
 
 // now releases the heap and the executable's pages at once, in the
 // background, and logs it with why: what the process has just done
 // (its first projection, its first payloads), which made most of the
-// garbage it will ever make and ran code it will not run again.
+// garbage it will ever make and ran code it will not run again. From then
+// on, collections at rest unmap the pages again (collected).
 func (h *heapRelease) now(why string) {
+	h.mu.Lock()
+	h.lastDrop = time.Now()
+	h.mu.Unlock()
 	go func() {
 		err := h.release()
 		h.logRelease(err, "returned the free heap memory to the system after "+why)
@@ -93,6 +123,50 @@ func (h *heapRelease) logRelease(err error, msg string, args ...any) {
 		h.log.Warn("the executable's pages stay mapped", "err", err)
 	}
 	h.log.Debug(msg, args...)
+}
+
+// collectionSentinel is the object whose cleanup tells heapRelease that
+// the Go runtime has finished a collection: a new one is made after each,
+// unreachable from the start. It holds a pointer, so the runtime's tiny
+// allocator, which packs pointer-free objects of less than 16 bytes
+// together, gives it a slot of its own.
+type collectionSentinel struct{ _ *byte }
+
+// watchCollections calls collected after the runtime's next collection,
+// and again after each one until stop (runtime.AddCleanup: a cleanup
+// runs once its object is found unreachable, which a collection does).
+func (h *heapRelease) watchCollections() {
+	runtime.AddCleanup(new(collectionSentinel), func(h *heapRelease) {
+		if h.collected() {
+			h.watchCollections()
+		}
+	}, h)
+}
+
+// collected is called after each of the runtime's collections. Once the
+// process has been released once (now) and has counted no switch or
+// payload for quiet, at most once every restEvery, it unmaps the
+// executable's pages again, in the background: a collection at rest —
+// the one the runtime forces every two minutes — maps the collector's
+// code and the tables of everything it scans, which the process does not
+// run between them. It reports whether to go on (false once stopped).
+func (h *heapRelease) collected() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.stopped {
+		return false
+	}
+	now := time.Now()
+	if h.lastDrop.IsZero() || now.Sub(h.lastDrop) < h.restEvery || now.Sub(h.lastWrite) < h.quiet || h.written >= burstWrites {
+		return true
+	}
+	h.lastDrop = now
+	go func() {
+		if err := h.drop(); err != nil && h.log != nil {
+			h.log.Warn("the executable's pages stay mapped", "err", err)
+		}
+	}()
+	return true
 }
 
 // Observe counts switches, and (re)arms the release once they and the
@@ -115,6 +189,7 @@ func (h *heapRelease) count() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.written++
+	h.lastWrite = time.Now()
 	switch {
 	case h.written < burstWrites:
 	case h.timer == nil:
@@ -130,6 +205,9 @@ func (h *heapRelease) fire() {
 	h.mu.Lock()
 	n := h.written
 	h.written = 0
+	if n >= burstWrites {
+		h.lastDrop = time.Now()
+	}
 	h.mu.Unlock()
 	if n >= burstWrites {
 		err := h.release()
@@ -137,10 +215,12 @@ func (h *heapRelease) fire() {
 	}
 }
 
-// stop cancels a release not yet made.
+// stop cancels a release not yet made, and stops following the runtime's
+// collections.
 func (h *heapRelease) stop() {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	h.stopped = true
 	if h.timer != nil {
 		h.timer.Stop()
 	}

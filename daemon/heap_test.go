@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"fmt"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -141,4 +142,56 @@ func TestExecutablePagesReleased(t *testing.T) {
 	if n := h.logs.Count("the executable's pages stay mapped"); n != 0 {
 		t.Fatalf("%d failures to unmap the executable's pages:\n%s", n, h.logs.String())
 	}
+}
+
+// TestExecutablePagesDroppedAtRest: after its first release, a process
+// unmaps its executable's pages again after a collection of the Go
+// runtime, once it has been quiet for burstQuiet — not before its first
+// release, not within restEvery of the last drop, not while switches or
+// payloads come, and not after stop.
+func TestExecutablePagesDroppedAtRest(t *testing.T) {
+	var drops atomic.Int32
+	h := &heapRelease{quiet: time.Second, restEvery: 200 * time.Millisecond, drop: func() error { drops.Add(1); return nil }}
+	h.release = h.drop
+	h.watchCollections()
+	t.Cleanup(h.stop)
+	settle := func() { runtime.GC(); time.Sleep(100 * time.Millisecond) }
+	want := func(n int32, when string) {
+		t.Helper()
+		if got := drops.Load(); got != n {
+			t.Fatalf("%d drops %s; want %d", got, when, n)
+		}
+	}
+
+	settle()
+	want(0, "before the first release")
+	h.now("the test's start")
+	for deadline := time.Now().Add(waitTimeout); drops.Load() == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the first release never dropped the pages")
+		}
+	}
+	settle()
+	want(1, "within restEvery of the first release")
+
+	h.Observe(reconcile.ProjectedEvent{Mount: "m", Change: projector.Change{Changed: []string{"f"}}})
+	wrote := time.Now()
+	time.Sleep(2 * h.restEvery)
+	settle()
+	want(1, "after a collection less than quiet after a switch")
+
+	time.Sleep(time.Until(wrote.Add(h.quiet)))
+	runtime.GC()
+	for deadline := time.Now().Add(waitTimeout); drops.Load() == 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a collection at rest did not drop the pages")
+		}
+		runtime.GC()
+	}
+	want(2, "after a collection at rest")
+
+	h.stop()
+	time.Sleep(h.quiet + h.restEvery)
+	settle()
+	want(2, "after stop")
 }

@@ -20,9 +20,10 @@
 // them first when memory is short; the process maps again, through a minor
 // fault, what it runs next. For a private mapping that was never written,
 // MADV_DONTNEED brings back the file's own content (madvise(2)), which for
-// a read-only mapping of the executable is what was there: Find keeps only
-// such mappings, and leaves out one that holds a page of its own (a
-// dynamic loader's relocated RELRO page, a debugger's breakpoint).
+// a read-only mapping of the executable is what was there: Drop reads
+// /proc/self/smaps again each time and unmaps only such mappings, leaving
+// out one that holds a page of its own (a dynamic loader's relocated RELRO
+// page, a debugger's breakpoint, a uprobe).
 package exepages
 
 import (
@@ -30,18 +31,26 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
 
-// Image is the running executable's read-only private mappings, as Find
-// found them. Its methods are safe for concurrent use; a nil *Image has
-// none.
+// Image is the running executable's read-only private mappings. It holds
+// /proc/self/smaps open from Find on, and reads it again at every Drop, so
+// that what a Drop unmaps is what is clean then. Its methods are safe for
+// concurrent use; a nil *Image has no mapping and drops nothing.
 type Image struct {
-	spans []span
+	major, minor uint32
+	ino          uint64
+
+	mu    sync.Mutex
+	smaps *os.File // /proc/self/smaps, opened by Find; nil once closed
+	spans []span   // as the last read of smaps found them
 }
 
 // span is one mapping: its addresses [start, end) and the bytes of it
@@ -55,9 +64,11 @@ type span struct {
 // /proc/self/exe names, by device and inode, so a binary replaced on disk
 // since the start is still found) that are private, not writable and hold
 // no page of their own (smaps' Anonymous is 0), read from
-// /proc/self/smaps. Call it before the process loses access to /proc
-// (Landlock). It returns an error when /proc/self/exe or
-// /proc/self/smaps cannot be read, or smaps cannot be parsed.
+// /proc/self/smaps, which the Image keeps open (close-on-exec) until
+// Close. Call it before the process loses access to /proc (Landlock): an
+// open descriptor stays readable after. It returns an error when
+// /proc/self/exe or /proc/self/smaps cannot be read, or smaps cannot be
+// parsed.
 func Find() (*Image, error) {
 	var st unix.Stat_t
 	if err := unix.Stat("/proc/self/exe", &st); err != nil {
@@ -67,18 +78,38 @@ func Find() (*Image, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	spans, err := parseSmaps(f, unix.Major(st.Dev), unix.Minor(st.Dev), st.Ino)
-	if err != nil {
-		return nil, fmt.Errorf("/proc/self/smaps: %w", err)
+	im := &Image{major: unix.Major(st.Dev), minor: unix.Minor(st.Dev), ino: st.Ino, smaps: f}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if err := im.read(); err != nil {
+		f.Close()
+		return nil, err
 	}
-	return &Image{spans: spans}, nil
+	return im, nil
 }
 
-// Size returns the bytes of address space the image's mappings span.
+// read reads smaps again from its start into im.spans. im.mu is held.
+func (im *Image) read() error {
+	if im.smaps == nil {
+		return os.ErrClosed
+	}
+	// A section reader reads with pread(2) from offset 0: a seq_file
+	// such as smaps starts its text again there.
+	spans, err := parseSmaps(io.NewSectionReader(im.smaps, 0, math.MaxInt64), im.major, im.minor, im.ino)
+	if err != nil {
+		return fmt.Errorf("/proc/self/smaps: %w", err)
+	}
+	im.spans = spans
+	return nil
+}
+
+// Size returns the bytes of address space the image's mappings spanned
+// at the last read of smaps (Find's or Drop's).
 func (im *Image) Size() int64 {
 	var n int64
 	if im != nil {
+		im.mu.Lock()
+		defer im.mu.Unlock()
 		for _, s := range im.spans {
 			n += int64(s.end - s.start)
 		}
@@ -87,10 +118,13 @@ func (im *Image) Size() int64 {
 }
 
 // Resident returns the bytes of the image's mappings that were resident
-// when Find read them (smaps' Rss): the pages the process had mapped.
+// (smaps' Rss) at the last read of smaps: the pages the process had
+// mapped, before Drop's unmapping when Drop read it.
 func (im *Image) Resident() int64 {
 	var n int64
 	if im != nil {
+		im.mu.Lock()
+		defer im.mu.Unlock()
 		for _, s := range im.spans {
 			n += s.rss
 		}
@@ -98,17 +132,26 @@ func (im *Image) Resident() int64 {
 	return n
 }
 
-// Drop unmaps every page of the image from the process's page tables
-// (madvise(2) MADV_DONTNEED); the process maps again what it runs next. It
-// returns the first error of madvise, after trying every mapping; nil for
-// a nil or empty image.
-//
-// A breakpoint or uprobe placed in the image's text after Find is lost
-// (the page it was written to is dropped); one placed before keeps its
-// mapping out of the image.
+// Drop reads smaps again and unmaps every page of the mappings that are
+// still clean from the process's page tables (madvise(2) MADV_DONTNEED);
+// the process maps again what it runs next. A mapping that holds a page
+// of its own by then is left alone: the kernel writes a uprobe's or a
+// debugger's breakpoint into a private copy of the page, which
+// MADV_DONTNEED would throw away with the breakpoint. It returns an error,
+// and unmaps nothing, when smaps cannot be read again; else the first
+// error of madvise, after trying every mapping. A nil image, or one
+// closed, drops nothing and returns nil.
 func (im *Image) Drop() error {
 	if im == nil {
 		return nil
+	}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.smaps == nil {
+		return nil
+	}
+	if err := im.read(); err != nil {
+		return err
 	}
 	var errs []error
 	for _, s := range im.spans {
@@ -121,6 +164,22 @@ func (im *Image) Drop() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// Close closes the image's smaps; Drop does nothing after. It returns
+// close(2)'s error.
+func (im *Image) Close() error {
+	if im == nil {
+		return nil
+	}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.smaps == nil {
+		return nil
+	}
+	err := im.smaps.Close()
+	im.smaps = nil
+	return err
 }
 
 // maxSmapsLine bounds a line of smaps, in bytes: a mapping's header holds

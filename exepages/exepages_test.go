@@ -1,6 +1,7 @@
 package exepages
 
 import (
+	"os"
 	"reflect"
 	"strings"
 	"testing"
@@ -101,6 +102,7 @@ func TestDropUnmapsTheExecutable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer before.Close()
 	pc := uintptr(reflect.ValueOf(Find).Pointer())
 	var text bool
 	for _, s := range before.spans {
@@ -109,8 +111,9 @@ func TestDropUnmapsTheExecutable(t *testing.T) {
 	if !text {
 		t.Fatalf("no mapping found holds Find's code at %#x: %#v", pc, before.spans)
 	}
-	if before.Resident() <= 0 || before.Resident() > before.Size() {
-		t.Fatalf("%d bytes resident of %d", before.Resident(), before.Size())
+	resident, size := before.Resident(), before.Size()
+	if resident <= 0 || resident > size {
+		t.Fatalf("%d bytes resident of %d", resident, size)
 	}
 	if err := before.Drop(); err != nil {
 		t.Fatal(err)
@@ -119,13 +122,82 @@ func TestDropUnmapsTheExecutable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("the test binary's pages mapped: %d KiB before the drop, %d KiB after (%d KiB mapped)", before.Resident()>>10, after.Resident()>>10, before.Size()>>10)
-	if after.Resident() >= before.Resident() {
-		t.Fatalf("%d bytes mapped after the drop, %d before", after.Resident(), before.Resident())
+	defer after.Close()
+	t.Logf("the test binary's pages mapped: %d KiB before the drop, %d KiB after (%d KiB mapped)", resident>>10, after.Resident()>>10, size>>10)
+	if after.Resident() >= resident {
+		t.Fatalf("%d bytes mapped after the drop, %d before", after.Resident(), resident)
 	}
 	// A nil image has nothing to drop.
 	var none *Image
 	if err := none.Drop(); err != nil || none.Size() != 0 || none.Resident() != 0 {
 		t.Fatalf("nil image: %v", err)
 	}
+}
+
+// TestDropKeepsWrittenPages: a page of the executable written since Find
+// — as a debugger writes a breakpoint, and the kernel a uprobe, into a
+// private copy — keeps its mapping out of a later Drop, which reads smaps
+// again: the copy, and the breakpoint in it, stay. The test writes a byte
+// of its own code back unchanged through /proc/self/mem, the interface
+// debuggers use (proc(5)).
+func TestDropKeepsWrittenPages(t *testing.T) {
+	im, err := Find()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	pc := int64(reflect.ValueOf(kilobytes).Pointer())
+	if !holds(im, pc) {
+		t.Fatalf("no mapping found holds kilobytes' code at %#x", pc)
+	}
+	mem, err := os.OpenFile("/proc/self/mem", os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	b := make([]byte, 1)
+	if _, err := mem.ReadAt(b, pc); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := mem.WriteAt(b, pc); err != nil {
+		t.Fatal(err)
+	}
+	if err := im.Drop(); err != nil {
+		t.Fatal(err)
+	}
+	if holds(im, pc) {
+		t.Fatal("Drop unmapped the mapping with a written page")
+	}
+	// The written copy is still there: the mapping still holds a page of
+	// its own, where a blind MADV_DONTNEED would have thrown it away.
+	again, err := Find()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer again.Close()
+	if holds(again, pc) {
+		t.Fatal("the written page is gone after Drop")
+	}
+	if len(again.spans) == 0 {
+		t.Fatal("no other mapping of the executable found")
+	}
+	// Closed, an image drops nothing.
+	if err := im.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := im.Drop(); err != nil {
+		t.Fatalf("Drop after Close: %v", err)
+	}
+}
+
+// holds reports whether one of im's mappings, as last read, holds addr.
+func holds(im *Image, addr int64) bool {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	for _, s := range im.spans {
+		if int64(s.start) <= addr && addr < int64(s.end) {
+			return true
+		}
+	}
+	return false
 }
