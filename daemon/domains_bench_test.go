@@ -40,6 +40,9 @@ type domainsRun struct {
 	start          time.Duration
 	pss, workerPSS int64
 	workers        int
+	// restMean and restPeak sum each run's mean and peak PSS over its
+	// rest (KVMOUNT_BENCH_REST), in bytes.
+	restMean, restPeak int64
 }
 
 // domainsBinary is a binary benchDomains runs, and the prefix of its
@@ -72,6 +75,10 @@ func benchDomains(b *testing.B, sources int, joined bool) {
 		b.ReportMetric(float64(r.workers), bin.prefix+"workers")
 		b.ReportMetric(float64(r.pss)/n/(1<<20), bin.prefix+"pss-MiB")
 		b.ReportMetric(float64(r.workerPSS)/n/(1<<20), bin.prefix+"pss-worker-MiB")
+		if os.Getenv("KVMOUNT_BENCH_REST") != "" {
+			b.ReportMetric(float64(r.restMean)/n/(1<<20), bin.prefix+"pss-rest-mean-MiB")
+			b.ReportMetric(float64(r.restPeak)/n/(1<<20), bin.prefix+"pss-rest-max-MiB")
+		}
 	}
 }
 
@@ -114,27 +121,45 @@ func runDomains(b *testing.B, bin string, store benchStore, sources int, joined 
 		}
 		time.Sleep(time.Millisecond)
 	}
-	r.start += time.Since(t0)
+	projected := time.Now()
+	r.start += projected.Sub(t0)
 	// At rest: past the first garbage collections; with
 	// $KVMOUNT_BENCH_REST set, that long after the start instead (150s:
 	// past the runtime's first periodic collection, 2 minutes in, which
 	// maps the collector's code and tables again).
+	// Meanwhile, every 5 s from 5 s on, the PSS is sampled: its mean and
+	// its peak over the rest (pss-rest-mean-MiB, pss-rest-max-MiB), which
+	// the runtime's periodic collections move.
 	rest := 5 * time.Second
 	if d, err := time.ParseDuration(os.Getenv("KVMOUNT_BENCH_REST")); err == nil && d > 0 {
 		rest = d
 	}
-	time.Sleep(rest)
-	children := childPIDs(b, cmd.Process.Pid)
-	total := processMemory(b, cmd.Process.Pid)["Pss"]
-	var own int64
-	for _, c := range children {
-		p := processMemory(b, c)["Pss"]
-		total += p
-		own += p
+	measure := func() (total, worker int64, workers int) {
+		children := childPIDs(b, cmd.Process.Pid)
+		total = processMemory(b, cmd.Process.Pid)["Pss"]
+		var own int64
+		for _, c := range children {
+			p := processMemory(b, c)["Pss"]
+			total += p
+			own += p
+		}
+		return total, own / int64(max(len(children), 1)), len(children)
 	}
+	const sampleEvery = 5 * time.Second
+	var sum, peak, samples int64
+	for at := sampleEvery; at < rest; at += sampleEvery {
+		time.Sleep(time.Until(projected.Add(at)))
+		p, _, _ := measure()
+		sum, peak, samples = sum+p, max(peak, p), samples+1
+	}
+	time.Sleep(time.Until(projected.Add(rest)))
+	total, worker, workers := measure()
+	sum, peak, samples = sum+total, max(peak, total), samples+1
 	r.pss += total
-	r.workerPSS += own / int64(max(len(children), 1))
-	r.workers = len(children)
+	r.workerPSS += worker
+	r.workers = workers
+	r.restMean += sum / samples
+	r.restPeak += peak
 	_ = cmd.Process.Signal(syscall.SIGTERM)
 	_ = cmd.Wait()
 }
