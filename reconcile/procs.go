@@ -6,9 +6,6 @@ import (
 	goruntime "runtime"
 	"runtime/debug"
 	"sync"
-	"time"
-
-	"golang.org/x/sys/unix"
 )
 
 // BulkProcs is the number of Go scheduler Ps (runtime.GOMAXPROCS) kvmount
@@ -93,8 +90,8 @@ func threadCount() int {
 }
 
 // shedThreads ends the threads beyond keep that the process has, then
-// has the runtime free their records (reapThreads), and returns the memory
-// they and the bulk freed to the system (debug.FreeOSMemory).
+// returns the memory they and the bulk freed to the system
+// (debug.FreeOSMemory).
 //
 // The runtime never ends an idle thread, and bulk setups leave a few
 // hundred behind, each with its stacks (tens of KiB): about 9 MB of RSS at
@@ -108,16 +105,6 @@ func shedThreads(keep int, log *slog.Logger) {
 		return
 	}
 	from := threadCount()
-	endThreads(keep)
-	reapThreads()
-	endThreads(keep)
-	debug.FreeOSMemory()
-	log.Debug("threads left by bulk setups ended", "threads", from, "now", threadCount())
-}
-
-// endThreads ends the threads beyond keep, in up to three rounds (see
-// shedThreads).
-func endThreads(keep int) {
 	// A parked goroutine's P goes to another thread, a new one when none
 	// is idle: a round can leave some behind, so up to three.
 	for range 3 {
@@ -141,31 +128,6 @@ func endThreads(keep int) {
 		close(release)
 		exited.Wait()
 	}
-}
-
-// reapThreads has the runtime free the records of the threads that ended.
-// An ended thread's record — its m, about 5 KiB of heap, and the stack of
-// its scheduler (g0), 16 KiB, where the runtime rather than the C library
-// made the thread, as in kvmount's static build — waits on a list that the
-// runtime empties only when it next makes a thread (runtime/proc.go: mexit
-// puts it on sched.freem, allocm frees it). Measured with 400 threads
-// ended by a program without cgo: 1.9–2.1 MiB of heap and 6.5–7.1 MiB of
-// stack memory kept, 0.3 and 1.5 MiB once one more thread was made. So
-// reapThreads makes the runtime make some: twice as many goroutines as
-// the process has threads block in a system call for 50 ms (nanosleep),
-// and the runtime hands the P of a goroutine blocked in a system call to
-// another thread, a new one when none is idle (runtime/proc.go, handoffp).
-// The threads made end in the round of endThreads after it, whose records
-// stay listed: a handful.
-func reapThreads() {
-	var wg sync.WaitGroup
-	for range 2 * threadCount() {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ts := unix.NsecToTimespec(int64(50 * time.Millisecond))
-			_ = unix.Nanosleep(&ts, nil)
-		}()
-	}
-	wg.Wait()
+	debug.FreeOSMemory()
+	log.Debug("threads left by bulk setups ended", "threads", from, "now", threadCount())
 }

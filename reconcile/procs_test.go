@@ -2,7 +2,6 @@ package reconcile
 
 import (
 	"log/slog"
-	"os"
 	goruntime "runtime"
 	"sync"
 	"testing"
@@ -126,54 +125,5 @@ func TestShedThreads(t *testing.T) {
 	// left with -race beside other packages' tests): most must end.
 	if got := threadCount(); got > before+max(5, (peak-before)/4) {
 		t.Fatalf("%d threads after shedding from %d down to %d", got, peak, before)
-	}
-}
-
-// TestReapThreadsMakesAThread: the runtime frees the records of ended
-// threads only when it next makes a thread (runtime/proc.go, allocm), so
-// reapThreads must make it make one, even with idle threads at hand:
-// after it, the process has a thread it did not have before.
-func TestReapThreadsMakesAThread(t *testing.T) {
-	tids := func() map[string]bool {
-		entries, err := os.ReadDir("/proc/self/task")
-		if err != nil {
-			t.Fatal(err)
-		}
-		out := map[string]bool{}
-		for _, e := range entries {
-			out[e.Name()] = true
-		}
-		return out
-	}
-	// Idle threads at hand, as shedThreads leaves them; ended after.
-	keep := threadCount()
-	t.Cleanup(func() { endThreads(keep) })
-	var busy, parked sync.WaitGroup
-	release := make(chan struct{})
-	for range 8 {
-		busy.Add(1)
-		parked.Add(1)
-		go func() {
-			defer parked.Done()
-			goruntime.LockOSThread()
-			busy.Done()
-			<-release
-			goruntime.UnlockOSThread()
-		}()
-	}
-	busy.Wait()
-	close(release)
-	parked.Wait()
-	before := tids()
-	reapThreads()
-	var made []string
-	for tid := range tids() {
-		if !before[tid] {
-			made = append(made, tid)
-		}
-	}
-	t.Logf("%d threads before, %d made", len(before), len(made))
-	if len(made) == 0 {
-		t.Fatalf("reapThreads made no thread (%d before)", len(before))
 	}
 }
