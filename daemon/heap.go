@@ -38,8 +38,8 @@ const (
 // executable's pages again after a collection (heapRelease.collected).
 // The Go runtime forces a collection every two minutes at rest
 // (runtime/proc.go, forcegcperiod); each maps again the collector's code
-// and the type and function tables of what it scans — 3–5 MiB a process,
-// measured with one small mount (BENCHMARKS.md).
+// and the type and function tables of what it scans — about 4 MiB for
+// the two processes of a small daemon, measured (BENCHMARKS.md).
 const restDropEvery = time.Minute
 
 // processImage is the running executable's mappings (exepages.Find), read
@@ -58,7 +58,7 @@ var processImage = sync.OnceValues(exepages.Find)
 // only if it runs them again. So does each collection of the Go runtime
 // once the process has been quiet for burstQuiet, at most every
 // restDropEvery (collected). Measured with one small mount, the two
-// processes' PSS at rest falls from 31 to 23 MiB (BENCHMARKS.md).
+// processes' PSS at rest falls from 31 to 19–20 MiB (BENCHMARKS.md).
 type heapRelease struct {
 	log       *slog.Logger
 	quiet     time.Duration
@@ -149,7 +149,8 @@ func (h *heapRelease) watchCollections() {
 // executable's pages again, in the background: a collection at rest —
 // the one the runtime forces every two minutes — maps the collector's
 // code and the tables of everything it scans, which the process does not
-// run between them. It reports whether to go on (false once stopped).
+// run between them. It reports whether to go on: false once stopped, or
+// once such a drop failed.
 func (h *heapRelease) collected() bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -162,8 +163,15 @@ func (h *heapRelease) collected() bool {
 	}
 	h.lastDrop = now
 	go func() {
-		if err := h.drop(); err != nil && h.log != nil {
-			h.log.Warn("the executable's pages stay mapped", "err", err)
+		if err := h.drop(); err != nil {
+			// It would fail again: one warning, and no more
+			// drops at rest.
+			h.mu.Lock()
+			h.stopped = true
+			h.mu.Unlock()
+			if h.log != nil {
+				h.log.Warn("the executable's pages stay mapped", "err", err)
+			}
 		}
 	}()
 	return true

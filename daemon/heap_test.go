@@ -1,7 +1,9 @@
 package daemon
 
 import (
+	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"strconv"
 	"strings"
@@ -10,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvmount/kvmount/internal/testlog"
 	"github.com/kvmount/kvmount/projector"
 	"github.com/kvmount/kvmount/reconcile"
 )
@@ -194,4 +197,37 @@ func TestExecutablePagesDroppedAtRest(t *testing.T) {
 	time.Sleep(h.quiet + h.restEvery)
 	settle()
 	want(2, "after stop")
+}
+
+// TestFailedDropAtRestEndsThem: a drop at rest that fails is logged once,
+// and no drop at rest follows: it would fail again.
+func TestFailedDropAtRestEndsThem(t *testing.T) {
+	var drops atomic.Int32
+	var logs testlog.Buffer
+	h := &heapRelease{
+		log:   slog.New(slog.NewTextHandler(&logs, nil)),
+		quiet: 50 * time.Millisecond, restEvery: 50 * time.Millisecond,
+		drop: func() error { drops.Add(1); return errors.New("smaps unreadable") },
+	}
+	h.release = h.drop
+	h.watchCollections()
+	t.Cleanup(h.stop)
+	h.now("the test's start")
+	for deadline := time.Now().Add(waitTimeout); drops.Load() < 2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no drop at rest after the release")
+		}
+		runtime.GC()
+	}
+	for range 5 {
+		time.Sleep(2 * h.restEvery)
+		runtime.GC()
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n := drops.Load(); n != 2 {
+		t.Fatalf("%d drops; want 2 (the release's, one at rest)", n)
+	}
+	if n := logs.Count("the executable's pages stay mapped"); n != 2 {
+		t.Fatalf("%d warnings; want 2:\n%s", n, logs.String())
+	}
 }
