@@ -19,8 +19,11 @@ import (
 // all (one worker). It reports the time from the start to every mount
 // projected (start-ms), the workers, and the memory at rest of the
 // monitor and its workers together (the sum of their PSS, pss-MiB) and of
-// each worker (pss-worker-MiB, their mean). With $KVMOUNT_BENCH_BASELINE
-// set (see BenchmarkPutToFile), that binary runs too, right before this
+// each worker (pss-worker-MiB, their mean), 5 s after the projection.
+// With $KVMOUNT_BENCH_REST set, it measures that long after instead, and
+// reports the mean and the peak of the PSS sampled every 5 s until then
+// (pss-rest-mean-MiB, pss-rest-max-MiB). With $KVMOUNT_BENCH_BASELINE set
+// (see BenchmarkPutToFile), that binary runs too, right before this
 // tree's in every iteration, and its figures are prefixed "baseline-".
 func BenchmarkWorkersPerDomain(b *testing.B) {
 	for _, sources := range []int{1, 4, 8} {
