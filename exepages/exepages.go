@@ -106,27 +106,25 @@ func (im *Image) read() error {
 // Size returns the bytes of address space the image's mappings spanned
 // at the last read of smaps (Find's or Drop's).
 func (im *Image) Size() int64 {
-	var n int64
-	if im != nil {
-		im.mu.Lock()
-		defer im.mu.Unlock()
-		for _, s := range im.spans {
-			n += int64(s.end - s.start)
-		}
-	}
-	return n
+	return im.sum(func(s span) int64 { return int64(s.end - s.start) })
 }
 
 // Resident returns the bytes of the image's mappings that were resident
 // (smaps' Rss) at the last read of smaps: the pages the process had
 // mapped, before Drop's unmapping when Drop read it.
 func (im *Image) Resident() int64 {
+	return im.sum(func(s span) int64 { return s.rss })
+}
+
+// sum adds f over the mappings of the last read of smaps; 0 for a nil
+// image.
+func (im *Image) sum(f func(span) int64) int64 {
 	var n int64
 	if im != nil {
 		im.mu.Lock()
 		defer im.mu.Unlock()
 		for _, s := range im.spans {
-			n += s.rss
+			n += f(s)
 		}
 	}
 	return n

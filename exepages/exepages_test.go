@@ -103,12 +103,7 @@ func TestDropUnmapsTheExecutable(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer before.Close()
-	pc := uintptr(reflect.ValueOf(Find).Pointer())
-	var text bool
-	for _, s := range before.spans {
-		text = text || (s.start <= pc && pc < s.end)
-	}
-	if !text {
+	if pc := int64(reflect.ValueOf(Find).Pointer()); !holds(before, pc) {
 		t.Fatalf("no mapping found holds Find's code at %#x: %#v", pc, before.spans)
 	}
 	resident, size := before.Resident(), before.Size()
