@@ -17,7 +17,8 @@ import (
 // TestPowerCutDaemon runs the kvmount binary with its state directory and
 // a disk mount on an ext4 that loses power (roottest.PowerCutFS: shut down
 // without committing its journal) while transactions stream in, 10 times,
-// at a random moment once the daemon has caught up; the file system is
+// at a random moment once the daemon has caught up (and, before the first
+// cut, once its first projection is durable); the file system is
 // then mounted again (the kernel replays its journal) and the daemon
 // started again. Each time ..data names one whole version with its
 // manifest, never older than what survived the cut before; the restarted
@@ -48,7 +49,13 @@ func TestPowerCutDaemon(t *testing.T) {
 	for cut := range cuts {
 		committed := stream.last()
 		cmd, logs := e.start("run")
-		for wait := time.Now().Add(waitTimeout); txnNumber(checkCompleteQuiet(dir)) < committed || slices.ContainsFunc(before, func(name string) bool { return slices.Contains(leftoversQuiet(dir), name) }); {
+		// Before the first cut, the first projection must be durable, not
+		// only visible: the rename of ..data is readable before the fsync
+		// of the mount directory that makes it last, and a cut in between
+		// rightly leaves no ..data, since nothing was promised yet. The
+		// daemon logs "projected" once the write, fsync included, returned.
+		durable := func() bool { return survived != "" || strings.Contains(logs.String(), "msg=projected mount=app") }
+		for wait := time.Now().Add(waitTimeout); txnNumber(checkCompleteQuiet(dir)) < committed || !durable() || slices.ContainsFunc(before, func(name string) bool { return slices.Contains(leftoversQuiet(dir), name) }); {
 			if time.Now().After(wait) {
 				t.Fatalf("cut %d: the restarted daemon never caught up with v%d (holds %q, leftovers %v; those of the cut %v); logs:\n%s", cut, committed, checkCompleteQuiet(dir), leftoversQuiet(dir), before, logs)
 			}
