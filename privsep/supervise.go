@@ -449,8 +449,10 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	// Whether it broke the protocol and then ended, or the other way
 	// round, it is refused alike.
 	if errors.Is(readErr, ErrRefused) || errors.Is(readErr, ErrMalformed) || errors.Is(readErr, ErrTruncated) {
-		s.refusals.Add(1)
+		// Logged before it is counted: whoever sees the count finds the
+		// reason in the log.
 		s.Log.Error("the worker broke the protocol; stopping it, and keeping every mount's content", "err", readErr)
+		s.refusals.Add(1)
 	}
 	if why == nil {
 		why = readErr
