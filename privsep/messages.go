@@ -66,62 +66,67 @@ const (
 // kind is what the decoder knows of a message type: its sender, the
 // largest body it may have (bytes) and how to read it.
 type kind struct {
-	from   Side
-	most   int
-	decode func(p *parser) Message
+	from Side
+	most int
+	// decode reads a body; d lends the messages it reuses (Decoder).
+	decode func(p *parser, d *Decoder) Message
 }
 
 var messageKinds = map[byte]kind{
-	typeBegin: {FromWorker, 2 + MaxNameLen + 2 + MaxRevisionLen + 4, func(p *parser) Message {
+	typeBegin: {FromWorker, 2 + MaxNameLen + 2 + MaxRevisionLen + 4, func(p *parser, _ *Decoder) Message {
 		return &Begin{Mount: p.string(MaxNameLen), Revision: p.string(MaxRevisionLen), Files: p.uint32()}
 	}},
-	typeFile: {FromWorker, 2 + MaxPathLen + 4 + 8, func(p *parser) Message {
-		return &File{Path: p.string(MaxPathLen), Mode: p.uint32(), Size: p.uint64()}
+	typeFile: {FromWorker, 2 + MaxPathLen + 4 + 8, func(p *parser, d *Decoder) Message {
+		d.file = File{Path: p.string(MaxPathLen), Mode: p.uint32(), Size: p.uint64()}
+		return &d.file
 	}},
-	typeData:   {FromWorker, MaxChunk, func(p *parser) Message { return &Data{Bytes: p.rest()} }},
-	typeCommit: {FromWorker, 0, func(*parser) Message { return &Commit{} }},
-	typeState: {FromWorker, 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser) Message {
+	typeData: {FromWorker, MaxChunk, func(p *parser, d *Decoder) Message {
+		d.data = Data{Bytes: p.rest()}
+		return &d.data
+	}},
+	typeCommit: {FromWorker, 0, func(*parser, *Decoder) Message { return &Commit{} }},
+	typeState: {FromWorker, 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser, _ *Decoder) Message {
 		return &State{Source: p.string(MaxNameLen), Err: p.string(MaxDetailLen), Revision: p.string(MaxRevisionLen)}
 	}},
-	typeMountState: {FromWorker, 2 + MaxNameLen + 8 + 2 + MaxRevisionLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxNameLen) + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser) Message {
+	typeMountState: {FromWorker, 2 + MaxNameLen + 8 + 2 + MaxRevisionLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxNameLen) + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser, _ *Decoder) Message {
 		return &MountState{Mount: p.string(MaxNameLen), Generation: p.uint64(), Revision: p.string(MaxRevisionLen), Err: p.string(MaxDetailLen), Waiting: p.list(MaxNameLen), Stale: p.list(MaxDetailLen)}
 	}},
-	typeHeldBack: {FromWorker, 2 + MaxNameLen + 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser) Message {
+	typeHeldBack: {FromWorker, 2 + MaxNameLen + 2 + MaxNameLen + 2 + MaxDetailLen + 2 + MaxRevisionLen, func(p *parser, _ *Decoder) Message {
 		return &HeldBack{Mount: p.string(MaxNameLen), Guard: p.string(MaxNameLen), Reason: p.string(MaxDetailLen), Revision: p.string(MaxRevisionLen)}
 	}},
-	typeLog: {FromWorker, 4 + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser) Message {
+	typeLog: {FromWorker, 4 + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxDetailLen), func(p *parser, _ *Decoder) Message {
 		l := &Log{Level: int32(p.uint32()), Message: p.string(MaxDetailLen), Attrs: p.list(MaxDetailLen)}
 		if len(l.Attrs)%2 != 0 && p.err == nil {
 			p.err = fmt.Errorf("%d attribute strings, not key and value pairs", len(l.Attrs))
 		}
 		return l
 	}},
-	typeApplied: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser) Message {
+	typeApplied: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser, _ *Decoder) Message {
 		return &Applied{Seq: p.uint32(), Err: p.string(MaxDetailLen)}
 	}},
-	typeReread: {FromWorker, 2 + MaxFileNameLen, func(p *parser) Message {
+	typeReread: {FromWorker, 2 + MaxFileNameLen, func(p *parser, _ *Decoder) Message {
 		return &Reread{Name: p.string(MaxFileNameLen)}
 	}},
-	typeCredential: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxCredentialLen + 2 + MaxDetailLen, func(p *parser) Message {
+	typeCredential: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxCredentialLen + 2 + MaxDetailLen, func(p *parser, _ *Decoder) Message {
 		return &Credential{Name: p.string(MaxFileNameLen), Value: p.bytes(MaxCredentialLen), Err: p.string(MaxDetailLen)}
 	}},
-	typeInput: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxInputLen, func(p *parser) Message {
+	typeInput: {FromMonitor, 2 + MaxFileNameLen + 4 + MaxInputLen, func(p *parser, _ *Decoder) Message {
 		return &Input{Name: p.string(MaxFileNameLen), Value: p.bytes(MaxInputLen)}
 	}},
-	typeApply: {FromMonitor, 4 + 2 + MaxFileNameLen, func(p *parser) Message {
+	typeApply: {FromMonitor, 4 + 2 + MaxFileNameLen, func(p *parser, _ *Decoder) Message {
 		return &Apply{Seq: p.uint32(), Config: p.string(MaxFileNameLen)}
 	}},
-	typePost: {FromMonitor, 4 + 2 + MaxURLLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxHeaderLen) + 4 + MaxWebhookLen + 8, func(p *parser) Message {
+	typePost: {FromMonitor, 4 + 2 + MaxURLLen + 2 + MaxDetailLen + 2 + MaxListLen*(2+MaxHeaderLen) + 4 + MaxWebhookLen + 8, func(p *parser, _ *Decoder) Message {
 		m := &Post{Seq: p.uint32(), URL: p.string(MaxURLLen), Target: p.string(MaxDetailLen), Header: p.list(MaxHeaderLen), Body: p.bytes(MaxWebhookLen), Timeout: time.Duration(p.uint64())}
 		if len(m.Header)%2 != 0 && p.err == nil {
 			p.err = fmt.Errorf("%d header strings, not name and value pairs", len(m.Header))
 		}
 		return m
 	}},
-	typePosted: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser) Message {
+	typePosted: {FromWorker, 4 + 2 + MaxDetailLen, func(p *parser, _ *Decoder) Message {
 		return &Posted{Seq: p.uint32(), Err: p.string(MaxDetailLen)}
 	}},
-	typeResend: {FromMonitor, 2 + MaxNameLen, func(p *parser) Message {
+	typeResend: {FromMonitor, 2 + MaxNameLen, func(p *parser, _ *Decoder) Message {
 		return &Resend{Mount: p.string(MaxNameLen)}
 	}},
 }

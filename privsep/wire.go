@@ -54,6 +54,11 @@ type Message interface {
 type Encoder struct {
 	w   *bufio.Writer
 	buf []byte
+	// hdr, file and data are each frame's header and EncodeFile's
+	// messages, kept here so that a file costs no allocation of its own.
+	hdr  [5]byte
+	file File
+	data Data
 }
 
 // NewEncoder returns an encoder writing to w.
@@ -76,10 +81,9 @@ func (e *Encoder) Encode(m Message) error {
 	if err != nil {
 		return err
 	}
-	var hdr [5]byte
-	binary.BigEndian.PutUint32(hdr[:4], uint32(len(b)))
-	hdr[4] = m.msgType()
-	if _, err := e.w.Write(hdr[:]); err != nil {
+	binary.BigEndian.PutUint32(e.hdr[:4], uint32(len(b)))
+	e.hdr[4] = m.msgType()
+	if _, err := e.w.Write(e.hdr[:]); err != nil {
 		return err
 	}
 	_, err = e.w.Write(b)
@@ -88,12 +92,16 @@ func (e *Encoder) Encode(m Message) error {
 
 // EncodeFile writes a File for path and its bytes as Data chunks.
 func (e *Encoder) EncodeFile(path string, mode uint32, data []byte) error {
-	if err := e.Encode(&File{Path: path, Mode: mode, Size: uint64(len(data))}); err != nil {
+	// Nothing of the caller's is kept past the call.
+	defer func() { e.file, e.data = File{}, Data{} }()
+	e.file = File{Path: path, Mode: mode, Size: uint64(len(data))}
+	if err := e.Encode(&e.file); err != nil {
 		return err
 	}
 	for len(data) > 0 {
 		n := min(len(data), MaxChunk)
-		if err := e.Encode(&Data{Bytes: data[:n]}); err != nil {
+		e.data = Data{Bytes: data[:n]}
+		if err := e.Encode(&e.data); err != nil {
 			return err
 		}
 		data = data[n:]
@@ -173,6 +181,15 @@ type Decoder struct {
 	r    *bufio.Reader
 	from Side
 	buf  []byte
+	// file and data are the messages a File and a Data frame decode
+	// into, one each per decoder: a payload's frames are one or two per
+	// file, and none of them is kept past its turn.
+	file File
+	data Data
+	// hdr and p read each frame's header and body, kept here so that a
+	// frame costs no allocation of its own.
+	hdr [5]byte
+	p   parser
 }
 
 // NewDecoder returns a decoder reading from r the messages that from
@@ -196,11 +213,12 @@ func (d *Decoder) Ready() bool {
 // stream between frames, an error wrapping ErrTruncated when it ends
 // inside one, and an error wrapping ErrMalformed for a frame that breaks
 // the protocol (a type the other side does not send, or a length over the
-// type's bound, is refused before the body is read). A *Data's Bytes are
-// valid until the next call.
+// type's bound, is refused before the body is read). A *File or *Data
+// returned is the decoder's own, overwritten by the next call, and a
+// *Data's Bytes too: take what is kept before calling again.
 func (d *Decoder) Decode() (Message, error) {
-	var hdr [5]byte
-	if _, err := io.ReadFull(d.r, hdr[:]); err != nil {
+	hdr := d.hdr[:]
+	if _, err := io.ReadFull(d.r, hdr); err != nil {
 		if errors.Is(err, io.ErrUnexpectedEOF) {
 			return nil, fmt.Errorf("%w: in a header", ErrTruncated)
 		}
@@ -223,8 +241,9 @@ func (d *Decoder) Decode() (Message, error) {
 	if _, err := io.ReadFull(d.r, body); err != nil {
 		return nil, fmt.Errorf("%w: in a body of %d bytes", ErrTruncated, n)
 	}
-	p := parser{b: body}
-	m := k.decode(&p)
+	p := &d.p
+	*p = parser{b: body}
+	m := k.decode(p, d)
 	if err := p.done(); err != nil {
 		return nil, fmt.Errorf("%w: type %d: %v", ErrMalformed, t, err)
 	}

@@ -309,3 +309,70 @@ func FuzzDecode(f *testing.F) {
 		}
 	})
 }
+
+// TestFramesAllocateNothingOfTheirOwn checks that a file's frames cost the
+// encoder no allocation and the decoder only the path it returns: a
+// frame's own garbage (its header, its parser, its message), made between
+// the payloads the monitor keeps, left one kept object in each of
+// thousands of spans, which the Go heap can neither move nor return
+// (BenchmarkAssemble: 25.5 MiB of spans in use for 18.5 MiB of payloads,
+// 17.2 without).
+func TestFramesAllocateNothingOfTheirOwn(t *testing.T) {
+	data := bytes.Repeat([]byte("v"), 75)
+	e := NewEncoder(io.Discard)
+	if n := testing.AllocsPerRun(100, func() {
+		if err := e.EncodeFile("dir/key", 0o644, data); err != nil {
+			t.Fatal(err)
+		}
+	}); n != 0 {
+		t.Errorf("EncodeFile: %v allocations a file", n)
+	}
+	if e.data.Bytes != nil {
+		t.Error("the encoder keeps the caller's bytes after EncodeFile")
+	}
+
+	const files = 100
+	var stream bytes.Buffer
+	e = NewEncoder(&stream)
+	for i := range files {
+		if err := e.EncodeFile(fmt.Sprintf("key-%03d", i), 0o644, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	r := bytes.NewReader(stream.Bytes())
+	d := NewDecoder(r, FromWorker)
+	n := testing.AllocsPerRun(10, func() {
+		r.Reset(stream.Bytes())
+		d.r.Reset(r)
+		for range files {
+			f, err := d.Decode()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := f.(*File); !ok {
+				t.Fatalf("%T, not a *File", f)
+			}
+			if m, err := d.Decode(); err != nil || len(m.(*Data).Bytes) != len(data) {
+				t.Fatalf("%v, %v", m, err)
+			}
+		}
+	})
+	// The path is a string of its own, which the payload keeps.
+	if n > files {
+		t.Errorf("Decode: %v allocations for %d files", n, files)
+	}
+
+	// The messages are the decoder's own: the next call overwrites them.
+	r.Reset(stream.Bytes())
+	d.r.Reset(r)
+	first, _ := d.Decode()
+	path := first.(*File).Path
+	_, _ = d.Decode()
+	second, _ := d.Decode()
+	if first != second || path != "key-000" || second.(*File).Path != "key-001" {
+		t.Errorf("got %q then %q from %p and %p", path, second.(*File).Path, first, second)
+	}
+}
