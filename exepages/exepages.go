@@ -88,11 +88,9 @@ func Find() (*Image, error) {
 	return im, nil
 }
 
-// read reads smaps again from its start into im.spans. im.mu is held.
+// read reads smaps again from its start into im.spans. im.mu is held,
+// and im.smaps open (Find, and Drop before Close).
 func (im *Image) read() error {
-	if im.smaps == nil {
-		return os.ErrClosed
-	}
 	// A section reader reads with pread(2) from offset 0: a seq_file
 	// such as smaps starts its text again there.
 	spans, err := parseSmaps(io.NewSectionReader(im.smaps, 0, math.MaxInt64), im.major, im.minor, im.ino)
