@@ -18,8 +18,8 @@ PKG_ARCHS   ?= amd64 arm64
 help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-build: ## build bin/kvmount
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
+build: ## build bin/kvmount, static as the packages ship it
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
 test: fmt vet staticcheck outputs ## check formatting, vet, staticcheck, that no build output is committed, and run every test with the race detector (builds a Consul agent, an etcd server, consul-template and a Vault server once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
@@ -71,7 +71,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 BASE ?= a21dae7
 bench-baseline: ## put → file, and start, restart and memory with 1,000 mounts: this tree beside BASE's binary (default a21dae7), side by side in one run
 	@tmp=$$(mktemp -d) && git worktree add -q --detach $$tmp/src $(BASE) && \
-	(cd $$tmp/src && $(GO) build -o $$tmp/kvmount-base ./cmd/kvmount); rc=$$?; git worktree remove --force $$tmp/src; \
+	(cd $$tmp/src && CGO_ENABLED=0 $(GO) build -trimpath -o $$tmp/kvmount-base ./cmd/kvmount); rc=$$?; git worktree remove --force $$tmp/src; \
 	if [ $$rc = 0 ]; then \
 		bin=$$(scripts/consul-agent.sh) && \
 		KVMOUNT_BENCH_BASELINE=$$tmp/kvmount-base KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench '^BenchmarkPutToFile$$' -benchtime 1000x -count 3 ./daemon && \
