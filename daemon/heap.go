@@ -34,17 +34,12 @@ const (
 	burstQuiet = config.DefaultKeepReplaced + 5*time.Second
 )
 
-// restDropEvery is how often, at most, a process at rest returns its free
-// heap and unmaps its executable's pages again after a collection
-// (heapRelease.collected). The Go runtime forces a collection every two
-// minutes at rest (runtime/proc.go, forcegcperiod); each maps again the
-// collector's code and the type and function tables of what it scans —
-// about 4 MiB for the two processes of a small daemon, measured
-// (BENCHMARKS.md). Between them, what the process allocates at rest stays
-// resident as free heap up to the collector's goal (at least 4 MiB of
-// heap at GOGC 100), which the runtime's scavenger does not return below
-// it: a small daemon's processes grew by 0.4–0.7 MiB each over twenty
-// minutes at rest, measured.
+// restDropEvery is how often, at most, a process at rest unmaps its
+// executable's pages again after a collection (heapRelease.collected).
+// The Go runtime forces a collection every two minutes at rest
+// (runtime/proc.go, forcegcperiod); each maps again the collector's code
+// and the type and function tables of what it scans — about 4 MiB for
+// the two processes of a small daemon, measured (BENCHMARKS.md).
 const restDropEvery = time.Minute
 
 // processImage is the running executable's mappings (exepages.Find), read
@@ -60,20 +55,17 @@ var processImage = sync.OnceValues(exepages.Find)
 //
 // Each release also unmaps the executable's pages (exepages): those of
 // the code the burst ran, or the start's, which the process maps again
-// only if it runs them again. After each collection of the Go runtime
+// only if it runs them again. So does each collection of the Go runtime
 // once the process has been quiet for burstQuiet, at most every
-// restDropEvery, it does both again (collected). Measured with one small
-// mount, the two processes' PSS at rest falls from 31 to 19–20 MiB
-// (BENCHMARKS.md).
+// restDropEvery (collected). Measured with one small mount, the two
+// processes' PSS at rest falls from 31 to 19–20 MiB (BENCHMARKS.md).
 type heapRelease struct {
 	log       *slog.Logger
 	quiet     time.Duration
 	restEvery time.Duration
-	// free returns the free heap to the system (debug.FreeOSMemory: a
-	// full collection, then every free page); drop unmaps the
-	// executable's pages.
-	free func()
-	drop func() error
+	// drop unmaps the executable's pages; release returns the free
+	// heap and calls drop.
+	drop, release func() error
 
 	mu        sync.Mutex
 	written   int
@@ -81,9 +73,6 @@ type heapRelease struct {
 	lastWrite time.Time // the last switch or payload counted
 	lastDrop  time.Time // the last drop; zero until the first release
 	stopped   bool
-	// dropFailed is set once a drop at rest failed: it would fail again,
-	// so the releases at rest return the heap alone.
-	dropFailed bool
 }
 
 // newHeapRelease returns a heapRelease that logs each release to log, at
@@ -100,16 +89,13 @@ func newHeapRelease(log *slog.Logger, quiet time.Duration) *heapRelease {
 	if err != nil && log != nil {
 		log.Warn("the executable's pages stay mapped", "err", err)
 	}
-	h := &heapRelease{log: log, quiet: quiet, restEvery: restDropEvery, free: debug.FreeOSMemory, drop: image.Drop}
+	h := &heapRelease{log: log, quiet: quiet, restEvery: restDropEvery, drop: image.Drop}
+	h.release = func() error {
+		debug.FreeOSMemory()
+		return h.drop()
+	}
 	h.watchCollections()
 	return h
-}
-
-// release returns the free heap to the system and unmaps the executable's
-// pages; it returns the unmapping's error.
-func (h *heapRelease) release() error {
-	h.free()
-	return h.drop()
 }
 
 // now releases the heap and the executable's pages at once, in the
@@ -159,14 +145,12 @@ func (h *heapRelease) watchCollections() {
 
 // collected is called after each of the runtime's collections. Once the
 // process has been released once (now) and has counted no switch or
-// payload for quiet, at most once every restEvery, it returns the free
-// heap and unmaps the executable's pages again, in the background: a
-// collection at rest — the one the runtime forces every two minutes —
-// maps the collector's code and the tables of everything it scans, which
-// the process does not run between them, and what it allocated since the
-// last one stays resident as free heap. The return's own collection
-// comes within restEvery of this one, and does nothing. It reports
-// whether to go on: false once stopped.
+// payload for quiet, at most once every restEvery, it unmaps the
+// executable's pages again, in the background: a collection at rest —
+// the one the runtime forces every two minutes — maps the collector's
+// code and the tables of everything it scans, which the process does not
+// run between them. It reports whether to go on: false once stopped, or
+// once such a drop failed.
 func (h *heapRelease) collected() bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -178,17 +162,12 @@ func (h *heapRelease) collected() bool {
 		return true
 	}
 	h.lastDrop = now
-	drop := !h.dropFailed
 	go func() {
-		h.free()
-		if !drop {
-			return
-		}
 		if err := h.drop(); err != nil {
 			// It would fail again: one warning, and no more
 			// drops at rest.
 			h.mu.Lock()
-			h.dropFailed = true
+			h.stopped = true
 			h.mu.Unlock()
 			if h.log != nil {
 				h.log.Warn("the executable's pages stay mapped", "err", err)
