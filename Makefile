@@ -12,6 +12,10 @@ MD2MAN      := github.com/cpuguy83/go-md2man/v2@v2.0.7
 # (a version that sorts before any release, in deb and rpm alike).
 PKG_VERSION ?= $(shell v=$$(git describe --tags --match 'v[0-9]*' 2>/dev/null) && echo $${v\#v} || echo 0.0.0~git$$(git rev-parse --short HEAD))
 PKG_ARCHS   ?= amd64 arm64
+# How kvmount is built for the packages, and so for make build and the
+# baseline make bench-baseline compares with: static, no cgo (the
+# benchmarks build this tree alike, daemon/bench_test.go's buildKvmount).
+STATIC_BUILD = CGO_ENABLED=0 $(GO) build -trimpath
 
 .PHONY: help build test fmt vet staticcheck outputs consul-agent vault-server demo bench bench-baseline bench-fleet package clean
 
@@ -19,7 +23,7 @@ help: ## list the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-z-]+:.*## / {printf "  %-13s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 build: ## build bin/kvmount, static as the packages ship it
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
+	$(STATIC_BUILD) -ldflags '$(LDFLAGS)' -o bin/kvmount ./cmd/kvmount
 
 test: fmt vet staticcheck outputs ## check formatting, vet, staticcheck, that no build output is committed, and run every test with the race detector (builds a Consul agent, an etcd server, consul-template and a Vault server once)
 	@bin=$$(scripts/consul-agent.sh) && echo "consul agent: $$bin" && \
@@ -71,7 +75,7 @@ bench: ## latency and cost benchmarks (figures in BENCHMARKS.md)
 BASE ?= a21dae7
 bench-baseline: ## put → file, and start, restart and memory with 1,000 mounts: this tree beside BASE's binary (default a21dae7), side by side in one run
 	@tmp=$$(mktemp -d) && git worktree add -q --detach $$tmp/src $(BASE) && \
-	(cd $$tmp/src && CGO_ENABLED=0 $(GO) build -trimpath -o $$tmp/kvmount-base ./cmd/kvmount); rc=$$?; git worktree remove --force $$tmp/src; \
+	(cd $$tmp/src && $(STATIC_BUILD) -o $$tmp/kvmount-base ./cmd/kvmount); rc=$$?; git worktree remove --force $$tmp/src; \
 	if [ $$rc = 0 ]; then \
 		bin=$$(scripts/consul-agent.sh) && \
 		KVMOUNT_BENCH_BASELINE=$$tmp/kvmount-base KVMOUNT_CONSUL=$$bin $(GO) test -run '^$$' -bench '^BenchmarkPutToFile$$' -benchtime 1000x -count 3 ./daemon && \
@@ -89,7 +93,7 @@ package: ## build the .deb and .rpm packages (amd64, arm64) into dist/ with nfpm
 	$(GO) run $(MD2MAN) -in packaging/kvmount.8.md -out dist/pkg/kvmount.8
 	gzip -9nf dist/pkg/kvmount.8
 	for arch in $(PKG_ARCHS); do \
-		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch $(GO) build -trimpath -ldflags '-X main.version=$(PKG_VERSION)' -o dist/pkg/kvmount ./cmd/kvmount || exit 1; \
+		GOOS=linux GOARCH=$$arch $(STATIC_BUILD) -ldflags '-X main.version=$(PKG_VERSION)' -o dist/pkg/kvmount ./cmd/kvmount || exit 1; \
 		for format in deb rpm; do \
 			ARCH=$$arch VERSION=$(PKG_VERSION) $(GO) run $(NFPM) package -f packaging/nfpm.yaml -p $$format -t dist/ || exit 1; \
 		done; \
