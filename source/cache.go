@@ -249,12 +249,30 @@ func (c *Cache) Close() {
 	}
 }
 
-// start runs f's follow on its source in a goroutine that the cache owns;
-// c.mu must be held.
+// start runs f's follow on its source: attached to it when the source is
+// an Attacher that takes the prefix, else in a goroutine that the cache
+// owns. c.mu must be held.
 func (c *Cache) start(f *Feed) {
 	src := c.sources[f.source]
-	ctx, cancel := context.WithCancelCause(context.Background())
 	done := make(chan struct{})
+	if a, ok := src.(Attacher); ok {
+		if detach, ok := a.Attach(f.prefix, f); ok {
+			// The follow ends as a Follow's would after its context's
+			// end: asynchronously, done closed once it has.
+			var once sync.Once
+			f.cancel = func(error) {
+				once.Do(func() {
+					go func() {
+						defer close(done)
+						detach()
+					}()
+				})
+			}
+			f.done = done
+			return
+		}
+	}
+	ctx, cancel := context.WithCancelCause(context.Background())
 	f.cancel, f.done = cancel, done
 	go func() {
 		defer close(done)

@@ -66,6 +66,23 @@ type Source interface {
 	Close() error
 }
 
+// Attacher is a Source that can follow some prefixes without a goroutine
+// of its own: one whose shared loops deliver to every prefix they cover,
+// as the etcd source's grouped watches do. The Cache attaches a feed to
+// such a source instead of running Follow in a goroutine that would only
+// wait for its end — a parked goroutine's stack is at least 4 KiB once
+// it has run (Go's stacks shrink only while a quarter is in use), 4 MB
+// at 1,000 prefixes.
+type Attacher interface {
+	// Attach starts following prefix for pub, as Follow does, and returns
+	// at once. It returns ok false, and starts nothing, when the source
+	// follows prefix only with Follow (such as the etcd source in poll
+	// mode). detach stops the following and returns once nothing more is
+	// delivered to pub; the source retries failures meanwhile as Follow
+	// does. detach is called once.
+	Attach(prefix string, pub Publisher) (detach func(), ok bool)
+}
+
 // Kind is one kind of source, such as "etcd".
 type Kind struct {
 	// Name is the value of type in [sources.NAME].

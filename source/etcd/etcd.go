@@ -112,7 +112,10 @@ type Source struct {
 	spansRefused atomic.Bool
 }
 
-var _ source.Source = (*Source)(nil)
+var (
+	_ source.Source   = (*Source)(nil)
+	_ source.Attacher = (*Source)(nil)
+)
 
 // New returns a Source for cfg. It does not connect: the first Follow does,
 // and retries until etcd answers, so kvmount starts while etcd is down.

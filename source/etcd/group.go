@@ -196,11 +196,29 @@ func (g *group) Status(err error) {
 // covers it, or has the prefixes grouped anew, and leaves when ctx is
 // done.
 func (s *Source) followWatched(ctx context.Context, prefix string, pub source.Publisher) error {
+	leave := s.attach(prefix, pub)
+	<-ctx.Done()
+	leave()
+	return ctx.Err()
+}
+
+// Attach follows prefix for pub in watch mode without a goroutine of its
+// own (source.Attacher): the member joins its group at once and leaves
+// when detach is called. In poll mode, where each prefix is read by a
+// loop of its own, it returns ok false.
+func (s *Source) Attach(prefix string, pub source.Publisher) (detach func(), ok bool) {
+	if s.cfg.ChangeDetection == Poll {
+		return nil, false
+	}
+	return s.attach(prefix, pub), true
+}
+
+// attach makes a member of prefix join the grouping; the function it
+// returns makes it leave.
+func (s *Source) attach(prefix string, pub source.Publisher) (leave func()) {
 	m := &member{prefix: prefix, pub: pub, log: s.log.With("prefix", prefix), bo: source.NewBackoff()}
 	s.join(m)
-	<-ctx.Done()
-	s.leave(m)
-	return ctx.Err()
+	return func() { s.leave(m) }
 }
 
 // join registers m: the running group that covers its prefix takes it,

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"regexp"
+	"runtime"
 	"strconv"
 	"sync"
 	"testing"
@@ -316,4 +317,75 @@ func followGranted(t *testing.T, prefixes []string) *testlog.Buffer {
 		rec.WaitFor(t, "the write", sourcetest.Holds(map[string]string{"k": "2"}))
 	}
 	return logs
+}
+
+// TestCacheAttachesWatchedPrefixes: the feeds of 200 prefixes that the
+// cache follows on an etcd source in watch mode run no goroutine each
+// (source.Attacher) — with a goroutine per feed, each parked for the
+// feed's life, the count grows by at least 200 — and still deliver; a
+// released feed stops being published, and its follow's end is waited
+// for.
+func TestCacheAttachesWatchedPrefixes(t *testing.T) {
+	srv, cli := etcdtest.Start(t)
+	const n = 200
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("/att/m%03d/k", i), "v0")
+	}
+	for i := 0; i < len(kv); i += 128 {
+		etcdtest.Put(t, cli, kv[i:min(i+128, len(kv))]...)
+	}
+	changed := make(chan struct{}, 1)
+	cache := source.NewCache(sourcetest.Discard, func() {
+		select {
+		case changed <- struct{}{}:
+		default:
+		}
+	})
+	t.Cleanup(cache.Close)
+	cache.SetSources(map[string]source.Source{"main": newSource(t, srv)})
+	before := runtime.NumGoroutine()
+	feeds := make([]*source.Feed, n)
+	for i := range n {
+		f, err := cache.Acquire("main", fmt.Sprintf("/att/m%03d/", i), source.Limits{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		feeds[i] = f
+	}
+	value := func(f *source.Feed) string {
+		if st := f.State(); st.Snapshot != nil {
+			return string(st.Snapshot.Entries["k"])
+		}
+		return ""
+	}
+	waitValue := func(f *source.Feed, want string) {
+		t.Helper()
+		for deadline := time.Now().Add(sourcetest.Timeout); value(f) != want; {
+			if time.Now().After(deadline) {
+				t.Fatalf("a feed holds %q; want %q", value(f), want)
+			}
+			select {
+			case <-changed:
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	for _, f := range feeds {
+		waitValue(f, "v0")
+	}
+	// The groups' loops, the connection's and the stall monitor's
+	// goroutines: a few dozen at most.
+	if grew := runtime.NumGoroutine() - before; grew >= 50 {
+		t.Errorf("%d goroutines more for %d followed prefixes; want fewer than 50", grew, n)
+	}
+
+	etcdtest.Put(t, cli, "/att/m017/k", "v1", "/att/m018/k", "v1")
+	waitValue(feeds[17], "v1")
+	cache.Release(feeds[18], source.Limits{})
+	etcdtest.Put(t, cli, "/att/m018/k", "v2", "/att/m019/k", "v2")
+	waitValue(feeds[19], "v2")
+	if got := value(feeds[18]); got == "v2" {
+		t.Errorf("a released feed was published %q", got)
+	}
 }
