@@ -3,6 +3,7 @@ package projector
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"maps"
 	"os"
@@ -414,6 +415,55 @@ func TestAdoptRemovesCrashLeftovers(t *testing.T) {
 	change, err := w2.Write(payload)
 	if err != nil || !change.Empty() || w2.Version() != current {
 		t.Errorf("Write after adopt = %+v, %v, version %s; want no change to %s", change, err, w2.Version(), current)
+	}
+}
+
+// TestWriteRemovesLeftoversAmongManyNames: a writer's first switch
+// removes the leftovers it finds then — version directories and
+// ..data_tmp that appeared after its adoption found the directory empty —
+// from a mount directory whose listing takes several reads (1,000 visible
+// names, each a directory entry of 24–32 bytes, against listHidden's
+// 8 KiB), and nothing else.
+func TestWriteRemovesLeftoversAmongManyNames(t *testing.T) {
+	dir := t.TempDir()
+	w := newWriter(t, dir)
+	if _, err := w.Adopt(); err != nil {
+		t.Fatal(err)
+	}
+	// Twenty, so that some are beyond the listing's first read in any
+	// order the file system lists them in (ext4: by hash).
+	var leftovers []string
+	for i := range 20 {
+		orphan := fmt.Sprintf("..2026_01_02_03_04_05.%09d", i)
+		if err := os.MkdirAll(filepath.Join(dir, orphan, "sub"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		leftovers = append(leftovers, orphan)
+	}
+	if err := os.Symlink(leftovers[0], filepath.Join(dir, "..data_tmp")); err != nil {
+		t.Fatal(err)
+	}
+	leftovers = append(leftovers, "..data_tmp")
+	payload := Payload{}
+	for i := range 1000 {
+		payload[fmt.Sprintf("key-%04d", i)] = file("v", 0o644)
+	}
+	if _, err := w.Write(payload); err != nil {
+		t.Fatal(err)
+	}
+	for _, gone := range leftovers {
+		if _, err := os.Lstat(filepath.Join(dir, gone)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s after the write: %v; want it removed", gone, err)
+		}
+	}
+	checkMount(t, dir, payload)
+	names, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The visible names, ..data and the version.
+	if len(names) != len(payload)+2 {
+		t.Errorf("%d names in the mount; want %d", len(names), len(payload)+2)
 	}
 }
 
