@@ -3,7 +3,6 @@ package daemon
 import (
 	"log/slog"
 	"runtime"
-	"runtime/debug"
 	"sync"
 	"time"
 
@@ -47,8 +46,8 @@ const restDropEvery = time.Minute
 // it, and a worker finds it before its confinement.
 var processImage = sync.OnceValues(exepages.Find)
 
-// heapRelease is an observer that returns the free heap memory to the
-// system (debug.FreeOSMemory) once burstWrites switches and payloads
+// heapRelease is an observer that returns the free heap memory and the
+// goroutine stacks' to the system (reconcile.ReleaseMemory) once burstWrites switches and payloads
 // taken or sent (Payload) have happened since the last release and none for
 // burstQuiet. A mount with a longer keep_replaced frees its replaced
 // versions later; what they held the runtime's scavenger returns in time.
@@ -91,7 +90,7 @@ func newHeapRelease(log *slog.Logger, quiet time.Duration) *heapRelease {
 	}
 	h := &heapRelease{log: log, quiet: quiet, restEvery: restDropEvery, drop: image.Drop}
 	h.release = func() error {
-		debug.FreeOSMemory()
+		reconcile.ReleaseMemory()
 		return h.drop()
 	}
 	h.watchCollections()

@@ -3,8 +3,10 @@ package reconcile
 import (
 	"log/slog"
 	goruntime "runtime"
+	"runtime/debug"
 	"sync"
 	"testing"
+	"time"
 )
 
 // fakeProcs returns procs whose GOMAXPROCS starts at n and is only
@@ -125,5 +127,47 @@ func TestShedThreads(t *testing.T) {
 	// left with -race beside other packages' tests): most must end.
 	if got := threadCount(); got > before+max(5, (peak-before)/4) {
 		t.Fatalf("%d threads after shedding from %d down to %d", got, peak, before)
+	}
+}
+
+// deepStack recurses depth times with a frame of about 1 KiB each, so
+// that the goroutine's stack grows to hold it, then waits for release.
+func deepStack(depth int, release <-chan struct{}) byte {
+	var frame [1024]byte
+	frame[depth%len(frame)] = byte(depth)
+	if depth == 0 {
+		<-release
+		return frame[0]
+	}
+	return deepStack(depth-1, release) + frame[depth%len(frame)]
+}
+
+// TestReleaseMemoryShrinksStacks: goroutines whose stacks a burst grew to
+// 128 KiB and that now wait with shallow stacks are given back
+// most of it by ReleaseMemory, where one collection — what
+// debug.FreeOSMemory alone runs — halves each stack at most.
+func TestReleaseMemoryShrinksStacks(t *testing.T) {
+	const goroutines = 64
+	release := make(chan struct{})
+	grown := make(chan struct{})
+	var wg sync.WaitGroup
+	for range goroutines {
+		wg.Go(func() {
+			// Grow the stack, return from the depth, then wait shallow.
+			deepStack(100, grown)
+			<-release
+		})
+	}
+	close(grown)
+	time.Sleep(50 * time.Millisecond) // every goroutine back at <-release
+	debug.FreeOSMemory()
+	once := stackBytes()
+	ReleaseMemory()
+	after := stackBytes()
+	close(release)
+	wg.Wait()
+	t.Logf("heap stacks after one collection %d KiB, after ReleaseMemory %d KiB", once>>10, after>>10)
+	if after > once/4 {
+		t.Errorf("ReleaseMemory left %d KiB of stacks of %d KiB after one collection; want at most a quarter", after>>10, once>>10)
 	}
 }
