@@ -92,7 +92,7 @@ func threadCount() int {
 
 // shedThreads ends the threads beyond keep that the process has, then
 // returns the memory they and the bulk freed to the system
-// (debug.FreeOSMemory).
+// (ReleaseMemory).
 //
 // The runtime never ends an idle thread, and bulk setups leave a few
 // hundred behind, each with its stacks (tens of KiB): about 9 MB of RSS at
@@ -101,6 +101,15 @@ func threadCount() int {
 // parks one locked goroutine per thread to end — each takes an idle thread,
 // or a new one when none is left — and then lets them all exit, in up to
 // three rounds.
+//
+// An ended thread's record (its m) and, in a static build, its system
+// goroutine's stack of 16 KiB are freed only when the runtime next makes
+// a thread (allocm frees the list of ended threads, sched.freem, in
+// runtime/proc.go), which at rest may never come: 2,000 threads ended so
+// held 22 MB of RSS, measured (BENCHMARKS.md, "The monitor's heap after
+// a cold start"). So a last round parks one goroutine more than the
+// process has threads, which makes it make one: the threads that round
+// ends, a handful, wait in turn for the next.
 func shedThreads(keep int, log *slog.Logger) {
 	if keep <= 0 {
 		return
@@ -113,24 +122,34 @@ func shedThreads(keep int, log *slog.Logger) {
 		if n <= 0 {
 			break
 		}
-		var locked, exited sync.WaitGroup
-		release := make(chan struct{})
-		for range n {
-			locked.Add(1)
-			exited.Add(1)
-			go func() {
-				defer exited.Done()
-				goruntime.LockOSThread()
-				locked.Done()
-				<-release
-			}()
-		}
-		locked.Wait()
-		close(release)
-		exited.Wait()
+		endThreads(n)
+	}
+	if from > keep {
+		endThreads(threadCount() + 1)
 	}
 	ReleaseMemory()
 	log.Debug("threads left by bulk setups ended", "threads", from, "now", threadCount())
+}
+
+// endThreads ends up to n threads: it parks n goroutines, each locked to
+// a thread of its own (an idle one, or a new one when none is left), and
+// lets them exit together.
+func endThreads(n int) {
+	var locked, exited sync.WaitGroup
+	release := make(chan struct{})
+	for range n {
+		locked.Add(1)
+		exited.Add(1)
+		go func() {
+			defer exited.Done()
+			goruntime.LockOSThread()
+			locked.Done()
+			<-release
+		}()
+	}
+	locked.Wait()
+	close(release)
+	exited.Wait()
 }
 
 // maxShrinkCollections bounds the collections ReleaseMemory runs to
