@@ -46,8 +46,9 @@ const restDropEvery = time.Minute
 // it, and a worker finds it before its confinement.
 var processImage = sync.OnceValues(exepages.Find)
 
-// heapRelease is an observer that returns the free heap memory and the
-// goroutine stacks' to the system (reconcile.ReleaseMemory) once burstWrites switches and payloads
+// heapRelease is an observer that returns to the system the free heap
+// memory and the goroutine stacks a burst grew (reconcile.ReleaseMemory)
+// once burstWrites switches and payloads
 // taken or sent (Payload) have happened since the last release and none for
 // burstQuiet. A mount with a longer keep_replaced frees its replaced
 // versions later; what they held the runtime's scavenger returns in time.

@@ -119,10 +119,10 @@ func appendContentHash(buf, data []byte) []byte {
 	return hex.AppendEncode(buf, sum[:])
 }
 
-// setContentHashes sets the content hash of each of entries from hashes,
-// theirs appended one after the other in order (appendContentHash), as
-// substrings of one string: a version's entries take one allocation for
-// their hashes, not one or two each. A write's garbage made per file is
+// setContentHashes sets each entry's content hash from hashes, where
+// appendContentHash appended them in the order of entries, as substrings
+// of one string: a version's entries take one allocation for their
+// hashes, not two each. A write's garbage made per file is
 // what spreads the objects that outlive a thousand mounts' first writes
 // over the heap's spans (BENCHMARKS.md, "The monitor's heap after a cold
 // start").

@@ -378,10 +378,11 @@ func (w *AtomicWriter) removeLeftovers(keep string) error {
 // listHidden returns the names in the mount directory that begin with
 // "..": ..data, ..data_tmp and the version directories, never a visible
 // name (CleanPath refuses a first element that begins with ".."). Unlike
-// list it reads no symlink and keeps no other name: after each write it
-// is what removeLeftovers needs, and a 100-file mount's listing was 300
-// objects of garbage for the heap (BENCHMARKS.md, "The monitor's heap
-// after a cold start").
+// list it reads no symlink and keeps no other name: it is what
+// removeLeftovers needs after a writer's first switch, which a cold start
+// makes for every mount, and list made 300 objects of garbage for a
+// 100-file mount (BENCHMARKS.md, "The monitor's heap after a cold
+// start").
 func (w *AtomicWriter) listHidden() ([]string, error) {
 	// A description of its own: reading entries moves its offset.
 	fd, err := unix.Openat(int(w.mount.Fd()), ".", unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)

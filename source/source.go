@@ -79,7 +79,9 @@ type Attacher interface {
 	// follows prefix only with Follow (such as the etcd source in poll
 	// mode). detach stops the following and returns once nothing more is
 	// delivered to pub; the source retries failures meanwhile as Follow
-	// does. detach is called once.
+	// does. detach is called once, and is not told why the following
+	// ends: a source that acts on source.ErrReleased (revoking leases)
+	// follows with Follow.
 	Attach(prefix string, pub Publisher) (detach func(), ok bool)
 }
 
