@@ -67,6 +67,19 @@ func waitWatchers(t *testing.T, srv *embedetcd.Server, want int) {
 	}
 }
 
+// putPrefixKeys writes the key "k" = "v0" under each of n prefixes,
+// format with 0 to n-1, 64 prefixes to a transaction.
+func putPrefixKeys(t *testing.T, cli *clientv3.Client, format string, n int) {
+	t.Helper()
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf(format, i)+"k", "v0")
+	}
+	for i := 0; i < len(kv); i += 128 {
+		etcdtest.Put(t, cli, kv[i:min(i+128, len(kv))]...)
+	}
+}
+
 // TestOneWatchForManyPrefixes is issue 37's second finding: 200 prefixes
 // of one source are two watches on the member, not 200; each prefix gets
 // its own keys, a transaction across prefixes switches each at once, and
@@ -76,13 +89,7 @@ func TestOneWatchForManyPrefixes(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	before := watchers(t, srv)
 	const n = 200
-	var kv []string
-	for i := range n {
-		kv = append(kv, fmt.Sprintf("/fleet/m%03d/k", i), "v0")
-	}
-	for i := 0; i < len(kv); i += 128 {
-		etcdtest.Put(t, cli, kv[i:min(i+128, len(kv))]...)
-	}
+	putPrefixKeys(t, cli, "/fleet/m%03d/", n)
 	src := newSource(t, srv)
 	recs := make([]*sourcetest.Recorder, n)
 	for i := range n {
@@ -328,13 +335,7 @@ func followGranted(t *testing.T, prefixes []string) *testlog.Buffer {
 func TestCacheAttachesWatchedPrefixes(t *testing.T) {
 	srv, cli := etcdtest.Start(t)
 	const n = 200
-	var kv []string
-	for i := range n {
-		kv = append(kv, fmt.Sprintf("/att/m%03d/k", i), "v0")
-	}
-	for i := 0; i < len(kv); i += 128 {
-		etcdtest.Put(t, cli, kv[i:min(i+128, len(kv))]...)
-	}
+	putPrefixKeys(t, cli, "/att/m%03d/", n)
 	changed := make(chan struct{}, 1)
 	cache := source.NewCache(sourcetest.Discard, func() {
 		select {
