@@ -36,6 +36,7 @@ type Recorder struct {
 	err      error
 	errs     []error
 	statuses int
+	currents int
 	changed  chan struct{}
 }
 
@@ -60,6 +61,8 @@ func (r *Recorder) Status(err error) {
 	r.err = err
 	if err != nil {
 		r.errs = append(r.errs, err)
+	} else {
+		r.currents++
 	}
 	r.statuses++
 	r.mu.Unlock()
@@ -80,6 +83,15 @@ func (r *Recorder) Statuses() int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.statuses
+}
+
+// Currents returns how many times Status reported the source current
+// (a nil error): a test can tell a flicker to current between two errors,
+// which State alone may miss.
+func (r *Recorder) Currents() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.currents
 }
 
 func (r *Recorder) wake() {

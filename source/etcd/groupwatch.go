@@ -286,17 +286,6 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		if !ok {
 			break
 		}
-		if resumed && resp.Created {
-			// Created says the member took the watch, not that it
-			// delivers: progress is asked for on its stream at once.
-			sub.touch(resp.Header.MemberId)
-			rctx, rcancel := context.WithTimeout(wctx, requestTimeout)
-			_ = cli.RequestProgress(rctx)
-			rcancel()
-		} else if sub.hear(resp.Header.MemberId) {
-			log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
-			g.Status(nil)
-		}
 		if err := revs.observe(&resp.Header); err != nil {
 			return err
 		}
@@ -318,11 +307,25 @@ func (s *Source) watchGroup(ctx context.Context, cli *clientv3.Client, mon *moni
 		if resp.Canceled {
 			return fmt.Errorf("%w: watch cancelled by the server", errResync)
 		}
+		// Only now is the response word that the watch delivers: an
+		// error ends it (a member without a leader refuses a resumed
+		// watch this way), and heard, it would show the prefixes current
+		// for the moment before they are reported stale again.
 		if resp.Created {
 			established()
 		}
 		if resp.Created && resumed {
+			// Created says the member took the watch, not that it
+			// delivers: progress is asked for on its stream at once.
+			sub.touch(resp.Header.MemberId)
+			rctx, rcancel := context.WithTimeout(wctx, requestTimeout)
+			_ = cli.RequestProgress(rctx)
+			rcancel()
 			continue
+		}
+		if sub.hear(resp.Header.MemberId) {
+			log.Info("watch answers again", "member", fmt.Sprintf("%x", resp.Header.MemberId))
+			g.Status(nil)
 		}
 		if resp.Created || resp.IsProgressNotify() {
 			g.Status(nil)

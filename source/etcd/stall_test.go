@@ -367,8 +367,15 @@ func TestLeaderlessMemberResumes(t *testing.T) {
 	t.Logf("reported stale %v after the peers were killed", time.Since(lost).Round(10*time.Millisecond))
 	// Long enough for etcd to end the watch for want of a leader (three
 	// election timeouts of 1 s, etcd's monitorLeader) and for the group
-	// to try again at least once.
+	// to try again at least once. No try says current: the error a
+	// resumed watch is refused with is no word that it delivers (a
+	// flicker to current that /status showed, and a caller waiting for
+	// current took).
+	currents := rec.Currents()
 	time.Sleep(6 * time.Second)
+	if n := rec.Currents() - currents; n > 0 {
+		t.Errorf("reported current %d times while the quorum was lost; want never", n)
+	}
 	for _, m := range cl.Members[1:] {
 		m.Restart(t)
 	}
