@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvmount/kvmount/internal/consultest"
 	"github.com/kvmount/kvmount/internal/roottest"
+	"github.com/kvmount/kvmount/source/consul"
 )
 
 // The Consul topology's bars (issue 35).
@@ -27,6 +28,11 @@ const (
 	consulStaleWithin = 5 * time.Second
 	// consulCurrentWithin: current again within a second of the heal,
 	// with the slack of /status sampled every 100 ms on a loaded machine.
+	// A server fault heals when a write is acknowledged again and the
+	// agent's answers are fresh (healed): a server restarted after a lost
+	// quorum may catch up on the leader's log for a second or more after
+	// the first acknowledged write, and until it does no source can call
+	// its answers current.
 	consulCurrentWithin = 1500 * time.Millisecond
 )
 
@@ -117,6 +123,34 @@ func (ct *consulTopology) serving(h *history, since time.Time) time.Time {
 		}
 		if time.Now().After(deadline) {
 			ct.t.Fatalf("consul does not acknowledge writes %v after the fault", waitTimeout)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// healed waits until a write is acknowledged after since and the client
+// agent's answers are fresh again — a stale read through it comes from a
+// server that knows a leader and heard from it within the sources'
+// default max_stale, what their liveness probe asks (source/consul,
+// liveness.go) — and returns when the later of the two came.
+func (ct *consulTopology) healed(h *history, since time.Time) time.Time {
+	ct.t.Helper()
+	acked := ct.serving(h, since)
+	cl := ct.c.Client.APIClient()
+	deadline := time.Now().Add(waitTimeout)
+	for first := true; ; first = false {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, meta, err := cl.KV().Get("app/n", (&api.QueryOptions{AllowStale: true}).WithContext(ctx))
+		cancel()
+		switch {
+		case err != nil || !meta.KnownLeader || meta.LastContact > consul.DefaultMaxStale:
+		case first:
+			return acked // fresh already when the write was acknowledged
+		default:
+			return time.Now()
+		}
+		if time.Now().After(deadline) {
+			ct.t.Fatalf("the client agent's answers not fresh %v after the fault (last: %v)", waitTimeout, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -217,10 +251,11 @@ func TestConsulCluster(t *testing.T) {
 		}
 		t.Logf("%s (healed after %v): %s", what, healed.Sub(from).Round(time.Millisecond), strings.Join(line, "; "))
 	}
-	acked := func(since time.Time) time.Time { return ct.serving(h, since) }
+	acked := func(since time.Time) time.Time { return ct.healed(h, since) }
 	// frozen freezes n for 10 s; the heal is the thaw, or for a server the
-	// first write acknowledged after it (the cluster may need an election
-	// once the old leader is back).
+	// first write acknowledged after it with the agent's answers fresh
+	// (healed: the cluster may need an election once the old leader is
+	// back).
 	frozen := func(n *consultest.Node, server bool) (func(), func() time.Time) {
 		return n.Freeze, func() time.Time {
 			time.Sleep(10 * time.Second)
