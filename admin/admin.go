@@ -132,6 +132,8 @@ type MountStatus struct {
 	LastNotification *NotificationStatus `json:"last_notification,omitempty"`
 	// pass is the mount's status after the reconciler's last pass.
 	pass reconcile.MountStatus
+	// counts are its counters, for its metrics (mountCollector).
+	counts mountCounts
 }
 
 // NotificationStatus is the last notification attempt of a mount.
@@ -162,6 +164,7 @@ func New(opts Options) *Server {
 	}
 	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{},
 		endpointState: map[string]*EndpointStatus{}, endpoints: map[string]*endpoint{}}
+	reg.MustRegister(newMountCollector(s))
 	if opts.Workers != nil {
 		reg.MustRegister(newWorkerCollector(opts.Workers))
 	}
@@ -176,6 +179,7 @@ func (s *Server) Observe(ev reconcile.Event) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.metrics.observe(ev)
+	countEvent(ev, s.mount)
 	switch ev := ev.(type) {
 	case reconcile.PassEvent:
 		s.passes++
@@ -232,6 +236,7 @@ func (s *Server) NotifyResult(r notify.Result) {
 		n.Error = r.Err.Error()
 	}
 	m := s.mount(r.Mount)
+	m.counts.notified(r.Kind, r.Err == nil)
 	m.LastNotification = n
 	if m.pass.Name != "" {
 		m.State, m.LastError = MountState(m.pass, notifyError(m))
@@ -318,6 +323,7 @@ func (s *Server) Status() Status {
 	}
 	for name, m := range s.mounts {
 		c := *m
+		c.counts = mountCounts{} // not served, and its maps change under the lock
 		st.Mounts[name] = &c
 		if !m.Optional && m.State != StateCurrent && m.State != StateNotifyFailed {
 			st.Ready = false

@@ -102,6 +102,7 @@ func TestEndpoints(t *testing.T) {
 		`kvmount_notify_total{kind="command",mount="app",result="success"} 1`,
 		`kvmount_notify_total{kind="webhook",mount="app",result="failure"} 1`,
 		`kvmount_notify_duration_seconds_count{kind="command"} 1`,
+		`kvmount_mount_notify_failing{mount="app"} 1`,
 		`kvmount_source_up{source="main"} 0`,
 		`kvmount_source_errors_total{source="main"} 1`,
 		`go_goroutines `, `process_resident_memory_bytes `,

@@ -1,7 +1,9 @@
 package admin
 
 import (
+	"maps"
 	"runtime"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 
@@ -9,117 +11,47 @@ import (
 	"github.com/kvmount/kvmount/reconcile"
 )
 
-// metrics are kvmount's Prometheus metrics. Names follow Prometheus'
-// conventions (base units, _total for counters, _seconds); labels carry
-// mount, source, kind and result names, never keys or values.
+// metrics are kvmount's Prometheus metrics of the whole daemon and of its
+// sources. Names follow Prometheus' conventions (base units, _total for
+// counters, _seconds); labels carry mount, source, kind and result names,
+// never keys or values. The series of each mount are mountCollector's.
 type metrics struct {
-	projected      *prometheus.GaugeVec
-	lastSuccess    *prometheus.GaugeVec
-	lastChange     *prometheus.GaugeVec
-	files          *prometheus.GaugeVec
-	bytes          *prometheus.GaugeVec
-	projections    *prometheus.CounterVec
 	duration       prometheus.Histogram
-	guards         *prometheus.CounterVec
-	notifications  *prometheus.CounterVec
 	notifyDuration *prometheus.HistogramVec
-	notifyFailing  *prometheus.GaugeVec
 	sourceUp       *prometheus.GaugeVec
 	sourceErrors   *prometheus.CounterVec
-	// known are the mounts with series, to delete those of removed mounts,
-	// each with the value of its kvmount_mount_projected, set again only
-	// when it changes.
-	known map[string]float64
 }
 
 func newMetrics(reg prometheus.Registerer, version string) *metrics {
-	f := func(c prometheus.Collector) { reg.MustRegister(c) }
 	build := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        "kvmount_build_info",
 		Help:        "Always 1; the labels say which kvmount runs.",
 		ConstLabels: prometheus.Labels{"version": version, "goversion": runtime.Version()},
 	})
 	build.Set(1)
-	f(build)
 	m := &metrics{
-		projected: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_projected",
-			Help: "1 when the mount holds its current desired payload, else 0."}, []string{"mount"}),
-		lastSuccess: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_last_success_timestamp_seconds",
-			Help: "When the mount last held, or was made to hold, its desired payload (Unix time)."}, []string{"mount"}),
-		lastChange: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_last_change_timestamp_seconds",
-			Help: "When the mount last switched to a version that changed it (Unix time)."}, []string{"mount"}),
-		files: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_files",
-			Help: "Files in the mount's current version."}, []string{"mount"}),
-		bytes: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_bytes",
-			Help: "Bytes of file data in the mount's current version."}, []string{"mount"}),
-		projections: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_projections_total",
-			Help: "Setups, remounts and repairs of a mount, by result: changed, unchanged, failed or held_back."}, []string{"mount", "result"}),
 		duration: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvmount_projection_duration_seconds",
 			Help:    "Time of a setup, remount or repair that changed a mount, from the start of the operation to the switch and clean-up.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)}),
-		guards: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_guard_rejections_total",
-			Help: "Payloads a guard rail refused or held back: check_command, size_limit, min_keys, allow_empty, max_value_size, max_mount_size or max_files; mount_dir_replaced, a mount directory refused because its path reaches another directory than the one kvmount owns; and mount_dir_unrecognized, one refused because its file system keeps no marker and was renumbered or replaced (kvmount adopt takes it over)."}, []string{"mount", "guard"}),
-		notifications: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_notify_total",
-			Help: "Notification attempts, by kind and result (success or failure)."}, []string{"mount", "kind", "result"}),
 		notifyDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvmount_notify_duration_seconds",
 			Help:    "Time of one notification attempt.",
 			Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"kind"}),
-		notifyFailing: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_mount_notify_failing",
-			Help: "1 while the last attempt to notify of the mount's current version failed (it is retried with backoff), else 0."}, []string{"mount"}),
 		sourceUp: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvmount_source_up",
 			Help: "1 while the source can be read, else 0."}, []string{"source"}),
 		sourceErrors: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvmount_source_errors_total",
 			Help: "Times the source became unreadable."}, []string{"source"}),
-		known: map[string]float64{},
 	}
-	for _, c := range []prometheus.Collector{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes, m.projections,
-		m.duration, m.guards, m.notifications, m.notifyDuration, m.notifyFailing, m.sourceUp, m.sourceErrors} {
-		f(c)
-	}
+	reg.MustRegister(build, m.duration, m.notifyDuration, m.sourceUp, m.sourceErrors)
 	return m
 }
 
 // observe updates the metrics from one reconciler event.
 func (m *metrics) observe(ev reconcile.Event) {
 	switch ev := ev.(type) {
-	case reconcile.PassEvent:
-		for _, st := range ev.Mounts {
-			v := 0.0
-			if st.Projected {
-				v = 1
-			}
-			if last, ok := m.known[st.Name]; !ok || last != v {
-				m.known[st.Name] = v
-				m.projected.WithLabelValues(st.Name).Set(v)
-			}
-		}
-		for name := range removed(m.known, ev.Mounts) {
-			m.forget(name)
-		}
 	case reconcile.ProjectedEvent:
-		t := float64(ev.Time.UnixNano()) / 1e9
-		m.lastSuccess.WithLabelValues(ev.Mount).Set(t)
-		m.files.WithLabelValues(ev.Mount).Set(float64(ev.Files))
-		m.bytes.WithLabelValues(ev.Mount).Set(float64(ev.Bytes))
-		if ev.Change.Empty() {
-			m.projections.WithLabelValues(ev.Mount, "unchanged").Inc()
-		} else {
-			m.projections.WithLabelValues(ev.Mount, "changed").Inc()
-			m.lastChange.WithLabelValues(ev.Mount).Set(t)
+		if !ev.Change.Empty() {
 			m.duration.Observe(ev.Duration.Seconds())
 		}
-	case reconcile.FailedEvent:
-		if ev.Op != "teardown" && ev.Op != "collect" {
-			m.projections.WithLabelValues(ev.Mount, "failed").Inc()
-		}
-		if ev.Guard != "" {
-			m.guards.WithLabelValues(ev.Mount, ev.Guard).Inc()
-		}
-	case reconcile.HeldBackEvent:
-		m.projections.WithLabelValues(ev.Mount, "held_back").Inc()
-		m.guards.WithLabelValues(ev.Mount, ev.Guard).Inc()
-	case reconcile.TornDownEvent:
-		m.forget(ev.Mount)
 	case reconcile.SourceEvent:
 		up := m.sourceUp.WithLabelValues(ev.Source)
 		if ev.Err != nil {
@@ -131,29 +63,186 @@ func (m *metrics) observe(ev reconcile.Event) {
 	}
 }
 
-// notified counts one notification attempt.
+// notified records the duration of one notification attempt.
 func (m *metrics) notified(r notify.Result) {
-	result := "success"
-	if r.Err != nil {
-		result = "failure"
-	}
-	m.notifications.WithLabelValues(r.Mount, r.Kind, result).Inc()
-	failing := 0.0
-	if r.Err != nil {
-		failing = 1
-	}
-	m.notifyFailing.WithLabelValues(r.Mount).Set(failing)
 	m.notifyDuration.WithLabelValues(r.Kind).Observe(r.Duration.Seconds())
 }
 
-// forget deletes the per-mount series of a mount no longer configured.
-func (m *metrics) forget(mount string) {
-	delete(m.known, mount)
-	labels := prometheus.Labels{"mount": mount}
-	for _, v := range []*prometheus.GaugeVec{m.projected, m.lastSuccess, m.lastChange, m.files, m.bytes, m.notifyFailing} {
-		v.DeletePartialMatch(labels)
-	}
-	for _, v := range []*prometheus.CounterVec{m.projections, m.guards, m.notifications} {
-		v.DeletePartialMatch(labels)
+// Projection results, the result label of kvmount_projections_total.
+const (
+	resultChanged = iota
+	resultUnchanged
+	resultFailed
+	resultHeldBack
+	numResults
+)
+
+var resultNames = [numResults]string{"changed", "unchanged", "failed", "held_back"}
+
+// mountCounts are a mount's counters, kept with its status (MountStatus)
+// and exported by mountCollector.
+type mountCounts struct {
+	// projections are by result (resultChanged…); guards by guard name,
+	// notifications by kind and result; the maps are made when first
+	// needed.
+	projections   [numResults]uint64
+	guards        map[string]uint64
+	notifications map[notifyCount]uint64
+}
+
+// notifyCount is a series of kvmount_notify_total.
+type notifyCount struct{ kind, result string }
+
+// countEvent counts ev in the counters of the mount it concerns, if any;
+// mount returns a mount's status, made when first needed.
+func countEvent(ev reconcile.Event, mount func(string) *MountStatus) {
+	switch ev := ev.(type) {
+	case reconcile.ProjectedEvent:
+		c := &mount(ev.Mount).counts
+		if ev.Change.Empty() {
+			c.projections[resultUnchanged]++
+		} else {
+			c.projections[resultChanged]++
+		}
+	case reconcile.FailedEvent:
+		if (ev.Op == "teardown" || ev.Op == "collect") && ev.Guard == "" {
+			return
+		}
+		c := &mount(ev.Mount).counts
+		if ev.Op != "teardown" && ev.Op != "collect" {
+			c.projections[resultFailed]++
+		}
+		if ev.Guard != "" {
+			c.guard(ev.Guard)
+		}
+	case reconcile.HeldBackEvent:
+		c := &mount(ev.Mount).counts
+		c.projections[resultHeldBack]++
+		c.guard(ev.Guard)
 	}
 }
+
+// guard counts one refusal by the guard rail named guard.
+func (c *mountCounts) guard(guard string) {
+	if c.guards == nil {
+		c.guards = map[string]uint64{}
+	}
+	c.guards[guard]++
+}
+
+// notified counts one notification attempt of kind, successful or not.
+func (c *mountCounts) notified(kind string, ok bool) {
+	result := "success"
+	if !ok {
+		result = "failure"
+	}
+	if c.notifications == nil {
+		c.notifications = map[notifyCount]uint64{}
+	}
+	c.notifications[notifyCount{kind, result}]++
+}
+
+// mountCollector exports the series of each mount, made at each scrape
+// from what the Server keeps of the mount anyway (its MountStatus and
+// counts): a mount's series kept as the client library's own would be
+// six or more objects of about 350 bytes each (2.1 MB for 1,000 mounts),
+// made during a cold start among its garbage. A mount's series go with
+// its status: a mount no longer configured has none.
+type mountCollector struct {
+	s                                                 *Server
+	projected, lastSuccess, lastChange, files, bytes  *prometheus.Desc
+	projections, guards, notifications, notifyFailing *prometheus.Desc
+}
+
+func newMountCollector(s *Server) *mountCollector {
+	mount := []string{"mount"}
+	return &mountCollector{
+		s:             s,
+		projected:     prometheus.NewDesc("kvmount_mount_projected", "1 when the mount holds its current desired payload, else 0.", mount, nil),
+		lastSuccess:   prometheus.NewDesc("kvmount_mount_last_success_timestamp_seconds", "When the mount last held, or was made to hold, its desired payload (Unix time).", mount, nil),
+		lastChange:    prometheus.NewDesc("kvmount_mount_last_change_timestamp_seconds", "When the mount last switched to a version that changed it (Unix time).", mount, nil),
+		files:         prometheus.NewDesc("kvmount_mount_files", "Files in the mount's current version.", mount, nil),
+		bytes:         prometheus.NewDesc("kvmount_mount_bytes", "Bytes of file data in the mount's current version.", mount, nil),
+		projections:   prometheus.NewDesc("kvmount_projections_total", "Setups, remounts and repairs of a mount, by result: changed, unchanged, failed or held_back.", []string{"mount", "result"}, nil),
+		guards:        prometheus.NewDesc("kvmount_guard_rejections_total", "Payloads a guard rail refused or held back: check_command, size_limit, min_keys, allow_empty, max_value_size, max_mount_size or max_files; mount_dir_replaced, a mount directory refused because its path reaches another directory than the one kvmount owns; and mount_dir_unrecognized, one refused because its file system keeps no marker and was renumbered or replaced (kvmount adopt takes it over).", []string{"mount", "guard"}, nil),
+		notifications: prometheus.NewDesc("kvmount_notify_total", "Notification attempts, by kind and result (success or failure).", []string{"mount", "kind", "result"}, nil),
+		notifyFailing: prometheus.NewDesc("kvmount_mount_notify_failing", "1 while the last attempt to notify of the mount's current version failed (it is retried with backoff), else 0.", mount, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *mountCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.projected, c.lastSuccess, c.lastChange, c.files, c.bytes, c.projections, c.guards, c.notifications, c.notifyFailing} {
+		ch <- d
+	}
+}
+
+// mountRow is what Collect exports of one mount, copied under the
+// Server's lock.
+type mountRow struct {
+	name                    string
+	passed, projected       bool
+	lastSuccess, lastChange float64 // Unix seconds; 0: never
+	files, bytes            float64
+	notified, notifyFailing bool
+	counts                  mountCounts
+}
+
+// Collect implements prometheus.Collector. It holds the Server's lock only
+// to copy what it exports.
+func (c *mountCollector) Collect(ch chan<- prometheus.Metric) {
+	c.s.mu.Lock()
+	rows := make([]mountRow, 0, len(c.s.mounts))
+	for name, m := range c.s.mounts {
+		r := mountRow{name: name, passed: m.pass.Name != "", projected: m.pass.Projected,
+			files: float64(m.Files), bytes: float64(m.Bytes), counts: m.counts}
+		if m.LastSuccess != nil {
+			r.lastSuccess = unixSeconds(*m.LastSuccess)
+		}
+		if m.LastChange != nil {
+			r.lastChange = unixSeconds(*m.LastChange)
+		}
+		if n := m.LastNotification; n != nil {
+			r.notified, r.notifyFailing = true, !n.OK
+		}
+		r.counts.guards, r.counts.notifications = maps.Clone(m.counts.guards), maps.Clone(m.counts.notifications)
+		rows = append(rows, r)
+	}
+	c.s.mu.Unlock()
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	for _, r := range rows {
+		if r.passed {
+			gauge(c.projected, boolValue(r.projected), r.name)
+		}
+		if r.lastSuccess != 0 {
+			gauge(c.lastSuccess, r.lastSuccess, r.name)
+			gauge(c.files, r.files, r.name)
+			gauge(c.bytes, r.bytes, r.name)
+		}
+		if r.lastChange != 0 {
+			gauge(c.lastChange, r.lastChange, r.name)
+		}
+		for i, n := range r.counts.projections {
+			if n > 0 {
+				counter(c.projections, n, r.name, resultNames[i])
+			}
+		}
+		for guard, n := range r.counts.guards {
+			counter(c.guards, n, r.name, guard)
+		}
+		for k, n := range r.counts.notifications {
+			counter(c.notifications, n, r.name, k.kind, k.result)
+		}
+		if r.notified {
+			gauge(c.notifyFailing, boolValue(r.notifyFailing), r.name)
+		}
+	}
+}
+
+// unixSeconds returns t as Unix time in seconds, with its fraction.
+func unixSeconds(t time.Time) float64 { return float64(t.UnixNano()) / 1e9 }
