@@ -59,8 +59,11 @@ type Server struct {
 	reg     *prometheus.Registry
 	metrics *metrics
 
-	mu            sync.Mutex
-	mounts        map[string]*MountStatus
+	mu     sync.Mutex
+	mounts map[string]*MountStatus
+	// counts are each mount's counters, for its metrics
+	// (mountCollector); they go with its status.
+	counts        map[string]*mountCounts
 	sources       map[string]*SourceStatus
 	endpointState map[string]*EndpointStatus
 	passes        int
@@ -132,8 +135,6 @@ type MountStatus struct {
 	LastNotification *NotificationStatus `json:"last_notification,omitempty"`
 	// pass is the mount's status after the reconciler's last pass.
 	pass reconcile.MountStatus
-	// counts are its counters, for its metrics (mountCollector).
-	counts mountCounts
 }
 
 // NotificationStatus is the last notification attempt of a mount.
@@ -162,7 +163,7 @@ func New(opts Options) *Server {
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
-	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, sources: map[string]*SourceStatus{},
+	s := &Server{opts: opts, reg: reg, metrics: newMetrics(reg, opts.Version), mounts: map[string]*MountStatus{}, counts: map[string]*mountCounts{}, sources: map[string]*SourceStatus{},
 		endpointState: map[string]*EndpointStatus{}, endpoints: map[string]*endpoint{}}
 	reg.MustRegister(newMountCollector(s))
 	if opts.Workers != nil {
@@ -179,7 +180,7 @@ func (s *Server) Observe(ev reconcile.Event) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.metrics.observe(ev)
-	countEvent(ev, s.mount)
+	s.count(ev)
 	switch ev := ev.(type) {
 	case reconcile.PassEvent:
 		s.passes++
@@ -198,6 +199,7 @@ func (s *Server) Observe(ev reconcile.Event) {
 		}
 		for name := range removed(s.mounts, ev.Mounts) {
 			delete(s.mounts, name)
+			delete(s.counts, name)
 		}
 	case reconcile.ProjectedEvent:
 		m := s.mount(ev.Mount)
@@ -209,6 +211,7 @@ func (s *Server) Observe(ev reconcile.Event) {
 		}
 	case reconcile.TornDownEvent:
 		delete(s.mounts, ev.Mount)
+		delete(s.counts, ev.Mount)
 	case reconcile.SourceEvent:
 		src := s.sources[ev.Source]
 		if src == nil {
@@ -235,8 +238,8 @@ func (s *Server) NotifyResult(r notify.Result) {
 	if r.Err != nil {
 		n.Error = r.Err.Error()
 	}
+	s.countsOf(r.Mount).notified(r.Kind, r.Err == nil)
 	m := s.mount(r.Mount)
-	m.counts.notified(r.Kind, r.Err == nil)
 	m.LastNotification = n
 	if m.pass.Name != "" {
 		m.State, m.LastError = MountState(m.pass, notifyError(m))
@@ -323,7 +326,6 @@ func (s *Server) Status() Status {
 	}
 	for name, m := range s.mounts {
 		c := *m
-		c.counts = mountCounts{} // not served, and its maps change under the lock
 		st.Mounts[name] = &c
 		if !m.Optional && m.State != StateCurrent && m.State != StateNotifyFailed {
 			st.Ready = false

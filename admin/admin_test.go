@@ -158,6 +158,31 @@ func waitCode(t *testing.T, client *http.Client, url string, want int) {
 // /metrics, /healthz and /readyz but not /status; the private socket, born
 // 0600 in a directory it creates, serves everything; a reload moves them;
 // a port someone else holds is retried in the background, and reported,
+// TestTeardownRefusalCounted: a mount that left the configuration and
+// whose teardown a guard refuses keeps its guard series until it is torn
+// down, without coming back in /status, where it would keep /readyz from
+// being ready.
+func TestTeardownRefusalCounted(t *testing.T) {
+	s := New(Options{Version: "test"})
+	h := s.Handler()
+	now := time.Now()
+	s.Observe(reconcile.PassEvent{Time: now, Mounts: []reconcile.MountStatus{{Name: "app", Projected: true}}})
+	s.Observe(reconcile.PassEvent{Time: now, Mounts: nil}) // "old" left the configuration
+	s.Observe(reconcile.FailedEvent{Mount: "old", Op: "teardown", Guard: "mount_dir_unrecognized", Err: errors.New("unrecognized"), Time: now})
+	s.Observe(reconcile.PassEvent{Time: now, Mounts: nil})
+	want := `kvmount_guard_rejections_total{guard="mount_dir_unrecognized",mount="old"} 1`
+	if _, metrics := get(t, h, "/metrics"); !strings.Contains(metrics, want) {
+		t.Errorf("/metrics lacks %s", want)
+	}
+	if st := s.Status(); st.Mounts["old"] != nil || !st.Ready {
+		t.Errorf("/status after a refused teardown: mount old %v, ready %v; want no entry, ready", st.Mounts["old"], st.Ready)
+	}
+	s.Observe(reconcile.TornDownEvent{Mount: "old", Time: now})
+	if _, metrics := get(t, h, "/metrics"); strings.Contains(metrics, `mount="old"`) {
+		t.Errorf("/metrics still has series of the torn-down mount old")
+	}
+}
+
 // until it is free.
 func TestEndpointsListen(t *testing.T) {
 	old := syscall.Umask(0o022)

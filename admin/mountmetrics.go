@@ -22,8 +22,8 @@ const (
 
 var resultNames = [numResults]string{"changed", "unchanged", "failed", "held_back"}
 
-// mountCounts are a mount's counters, kept with its status (MountStatus)
-// and exported by mountCollector.
+// mountCounts are a mount's counters, kept by the Server beside its status
+// (Server.counts) and exported by mountCollector.
 type mountCounts struct {
 	// projections are by result (resultChanged…); guards by guard name,
 	// notifications by kind and result; the maps are made when first
@@ -36,30 +36,43 @@ type mountCounts struct {
 // notifyCount is a series of kvmount_notify_total.
 type notifyCount struct{ kind, result string }
 
-// countEvent counts ev in the counters of the mount it concerns, if any;
-// mount returns a mount's status, made when first needed.
-func countEvent(ev reconcile.Event, mount func(string) *MountStatus) {
+// countsOf returns the counters of mount, made when first needed. Callers
+// hold s.mu.
+func (s *Server) countsOf(mount string) *mountCounts {
+	c := s.counts[mount]
+	if c == nil {
+		c = &mountCounts{}
+		s.counts[mount] = c
+	}
+	return c
+}
+
+// count counts ev in the counters of the mount it concerns, if any: a
+// projection by its result, a failure but of a clean-up (teardown,
+// collect), a guard's refusal whatever the operation. Callers hold s.mu.
+func (s *Server) count(ev reconcile.Event) {
 	switch ev := ev.(type) {
 	case reconcile.ProjectedEvent:
-		c := &mount(ev.Mount).counts
+		c := s.countsOf(ev.Mount)
 		if ev.Change.Empty() {
 			c.projections[resultUnchanged]++
 		} else {
 			c.projections[resultChanged]++
 		}
 	case reconcile.FailedEvent:
-		if (ev.Op == "teardown" || ev.Op == "collect") && ev.Guard == "" {
+		cleanup := ev.Op == "teardown" || ev.Op == "collect"
+		if cleanup && ev.Guard == "" {
 			return
 		}
-		c := &mount(ev.Mount).counts
-		if ev.Op != "teardown" && ev.Op != "collect" {
+		c := s.countsOf(ev.Mount)
+		if !cleanup {
 			c.projections[resultFailed]++
 		}
 		if ev.Guard != "" {
 			c.guard(ev.Guard)
 		}
 	case reconcile.HeldBackEvent:
-		c := &mount(ev.Mount).counts
+		c := s.countsOf(ev.Mount)
 		c.projections[resultHeldBack]++
 		c.guard(ev.Guard)
 	}
@@ -86,11 +99,12 @@ func (c *mountCounts) notified(kind string, ok bool) {
 }
 
 // mountCollector exports the series of each mount, made at each scrape
-// from what the Server keeps of the mount anyway (its MountStatus and
-// counts): a mount's series kept as the client library's own would be
+// from what the Server keeps of the mount anyway (its MountStatus) and its
+// counters: a mount's series kept as the client library's own would be
 // six or more objects of about 350 bytes each (2.1 MB for 1,000 mounts),
 // made during a cold start among its garbage. A mount's series go with
-// its status: a mount no longer configured has none.
+// its status and counters: a mount no longer configured has none once
+// torn down.
 type mountCollector struct {
 	s                                                 *Server
 	projected, lastSuccess, lastChange, files, bytes  *prometheus.Desc
@@ -138,7 +152,7 @@ func (c *mountCollector) Collect(ch chan<- prometheus.Metric) {
 	rows := make([]mountRow, 0, len(c.s.mounts))
 	for name, m := range c.s.mounts {
 		r := mountRow{name: name, passed: m.pass.Name != "", projected: m.pass.Projected,
-			files: float64(m.Files), bytes: float64(m.Bytes), counts: m.counts}
+			files: float64(m.Files), bytes: float64(m.Bytes)}
 		if m.LastSuccess != nil {
 			r.lastSuccess = unixSeconds(*m.LastSuccess)
 		}
@@ -148,8 +162,15 @@ func (c *mountCollector) Collect(ch chan<- prometheus.Metric) {
 		if n := m.LastNotification; n != nil {
 			r.notified, r.notifyFailing = true, !n.OK
 		}
-		r.counts.guards, r.counts.notifications = maps.Clone(m.counts.guards), maps.Clone(m.counts.notifications)
+		r.counts = c.s.counts[name].clone()
 		rows = append(rows, r)
+	}
+	// Counters of a mount without a status: one whose teardown a guard
+	// refused after the mount left the configuration.
+	for name, counts := range c.s.counts {
+		if c.s.mounts[name] == nil {
+			rows = append(rows, mountRow{name: name, counts: counts.clone()})
+		}
 	}
 	c.s.mu.Unlock()
 	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
@@ -185,6 +206,15 @@ func (c *mountCollector) Collect(ch chan<- prometheus.Metric) {
 			gauge(c.notifyFailing, boolValue(r.notifyFailing), r.name)
 		}
 	}
+}
+
+// clone returns a copy of c that shares nothing with it; the zero
+// counts for nil.
+func (c *mountCounts) clone() mountCounts {
+	if c == nil {
+		return mountCounts{}
+	}
+	return mountCounts{projections: c.projections, guards: maps.Clone(c.guards), notifications: maps.Clone(c.notifications)}
 }
 
 // unixSeconds returns t as Unix time in seconds, with its fraction.
