@@ -154,10 +154,6 @@ func waitCode(t *testing.T, client *http.Client, url string, want int) {
 	}
 }
 
-// TestEndpointsListen: the public endpoint (TCP or a 0660 socket) serves
-// /metrics, /healthz and /readyz but not /status; the private socket, born
-// 0600 in a directory it creates, serves everything; a reload moves them;
-// a port someone else holds is retried in the background, and reported,
 // TestTeardownRefusalCounted: a mount that left the configuration and
 // whose teardown a guard refuses keeps its guard series until it is torn
 // down, without coming back in /status, where it would keep /readyz from
@@ -183,6 +179,10 @@ func TestTeardownRefusalCounted(t *testing.T) {
 	}
 }
 
+// TestEndpointsListen: the public endpoint (TCP or a 0660 socket) serves
+// /metrics, /healthz and /readyz but not /status; the private socket, born
+// 0600 in a directory it creates, serves everything; a reload moves them;
+// a port someone else holds is retried in the background, and reported,
 // until it is free.
 func TestEndpointsListen(t *testing.T) {
 	old := syscall.Umask(0o022)
