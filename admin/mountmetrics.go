@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/kvmount/kvmount/reconcile"
 )
@@ -173,39 +174,141 @@ func (c *mountCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	c.s.mu.Unlock()
-	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	for _, m := range c.series(rows) {
+		ch <- m
 	}
-	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
-		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+}
+
+// The label names of each mount's series, whose addresses the series'
+// label pairs hold.
+var (
+	labelMount  = "mount"
+	labelResult = "result"
+	labelGuard  = "guard"
+	labelKind   = "kind"
+)
+
+// series returns the series of rows. They are made in a few slices for
+// the whole scrape, each written straight into the registry's dto.Metric
+// (mountSeries.Write), where prometheus.MustNewConstMetric would make its
+// label pairs, their strings, its value and itself anew for each series:
+// a scrape of 1,000 mounts was 100,000 allocations. Each series' label
+// pairs are in the order of their names, as prometheus.Metric's Write asks.
+func (c *mountCollector) series(rows []mountRow) []*mountSeries {
+	nGauges, nCounters, nPairs, nRefs, nValues := 0, 0, 0, 0, 0
+	for i := range rows {
+		r := &rows[i]
+		nGauges += boolCount(r.passed) + 3*boolCount(r.lastSuccess != 0) + boolCount(r.lastChange != 0) + boolCount(r.notified)
+		p := 0
+		for _, n := range r.counts.projections {
+			p += boolCount(n > 0)
+		}
+		g, k := len(r.counts.guards), len(r.counts.notifications)
+		nCounters += p + g + k
+		nPairs += 1 + p + g + 2*k
+		nRefs += 1 + 2*p + 2*g + 3*k
+		nValues += g + 2*k
 	}
-	for _, r := range rows {
+	nSeries := nGauges + nCounters
+	series := make([]mountSeries, nSeries)
+	gauges := make([]dto.Gauge, nGauges)
+	counters := make([]dto.Counter, nCounters)
+	pairs := make([]dto.LabelPair, nPairs)
+	refs := make([]*dto.LabelPair, 0, nRefs)
+	values := make([]string, 0, nValues)
+	out := make([]*mountSeries, 0, nSeries)
+	pair := func(name, value *string) *dto.LabelPair {
+		p := &pairs[0]
+		pairs = pairs[1:]
+		p.Name, p.Value = name, value
+		return p
+	}
+	value := func(v string) *string {
+		values = append(values, v)
+		return &values[len(values)-1]
+	}
+	counter := func(d *prometheus.Desc, v uint64, labels ...*dto.LabelPair) {
+		m := &series[len(out)]
+		m.desc, m.value = d, float64(v)
+		start := len(refs)
+		refs = append(refs, labels...)
+		m.labels = refs[start:len(refs):len(refs)]
+		m.counter, counters = &counters[0], counters[1:]
+		m.counter.Value = &m.value
+		out = append(out, m)
+	}
+	for i := range rows {
+		r := &rows[i]
+		mount := pair(&labelMount, &r.name)
+		// The series of this mount's one label share one slice of it.
+		start := len(refs)
+		refs = append(refs, mount)
+		single := refs[start:len(refs):len(refs)]
+		gauge := func(d *prometheus.Desc, v float64) {
+			m := &series[len(out)]
+			m.desc, m.value, m.labels = d, v, single
+			m.gauge, gauges = &gauges[0], gauges[1:]
+			m.gauge.Value = &m.value
+			out = append(out, m)
+		}
 		if r.passed {
-			gauge(c.projected, boolValue(r.projected), r.name)
+			gauge(c.projected, boolValue(r.projected))
 		}
 		if r.lastSuccess != 0 {
-			gauge(c.lastSuccess, r.lastSuccess, r.name)
-			gauge(c.files, r.files, r.name)
-			gauge(c.bytes, r.bytes, r.name)
+			gauge(c.lastSuccess, r.lastSuccess)
+			gauge(c.files, r.files)
+			gauge(c.bytes, r.bytes)
 		}
 		if r.lastChange != 0 {
-			gauge(c.lastChange, r.lastChange, r.name)
+			gauge(c.lastChange, r.lastChange)
 		}
-		for i, n := range r.counts.projections {
+		for j, n := range r.counts.projections {
 			if n > 0 {
-				counter(c.projections, n, r.name, resultNames[i])
+				counter(c.projections, n, mount, pair(&labelResult, &resultNames[j]))
 			}
 		}
 		for guard, n := range r.counts.guards {
-			counter(c.guards, n, r.name, guard)
+			counter(c.guards, n, pair(&labelGuard, value(guard)), mount)
 		}
 		for k, n := range r.counts.notifications {
-			counter(c.notifications, n, r.name, k.kind, k.result)
+			counter(c.notifications, n, pair(&labelKind, value(k.kind)), mount, pair(&labelResult, value(k.result)))
 		}
 		if r.notified {
-			gauge(c.notifyFailing, boolValue(r.notifyFailing), r.name)
+			gauge(c.notifyFailing, boolValue(r.notifyFailing))
 		}
 	}
+	return out
+}
+
+// mountSeries is one series of a mount, made by mountCollector.series
+// for one scrape: a prometheus.Metric that writes its label pairs and
+// value as they are. Either gauge or counter is set, its Value pointing
+// at value.
+type mountSeries struct {
+	desc    *prometheus.Desc
+	labels  []*dto.LabelPair
+	value   float64
+	gauge   *dto.Gauge
+	counter *dto.Counter
+}
+
+// Desc implements prometheus.Metric.
+func (m *mountSeries) Desc() *prometheus.Desc { return m.desc }
+
+// Write implements prometheus.Metric: out holds m's label pairs and value
+// from then on, which no one changes (the registry treats a written
+// dto.Metric as immutable).
+func (m *mountSeries) Write(out *dto.Metric) error {
+	out.Label, out.Gauge, out.Counter = m.labels, m.gauge, m.counter
+	return nil
+}
+
+// boolCount returns 1 for true and 0 for false.
+func boolCount(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // clone returns a copy of c that shares nothing with it; the zero
