@@ -209,33 +209,38 @@ func (c *mountCollector) series(rows []mountRow) []*mountSeries {
 		nRefs += 1 + 2*p + 2*g + 3*k
 		nValues += g + 2*k
 	}
-	nSeries := nGauges + nCounters
-	series := make([]mountSeries, nSeries)
-	gauges := make([]dto.Gauge, nGauges)
-	counters := make([]dto.Counter, nCounters)
-	pairs := make([]dto.LabelPair, nPairs)
+	// Each object is taken from its slice by append, at the address it
+	// keeps: a slice the counts above fell short of grows, and the
+	// objects taken before stay where they are.
+	series := make([]mountSeries, 0, nGauges+nCounters)
+	gauges := make([]dto.Gauge, 0, nGauges)
+	counters := make([]dto.Counter, 0, nCounters)
+	pairs := make([]dto.LabelPair, 0, nPairs)
 	refs := make([]*dto.LabelPair, 0, nRefs)
 	values := make([]string, 0, nValues)
-	out := make([]*mountSeries, 0, nSeries)
+	out := make([]*mountSeries, 0, nGauges+nCounters)
 	pair := func(name, value *string) *dto.LabelPair {
-		p := &pairs[0]
-		pairs = pairs[1:]
-		p.Name, p.Value = name, value
-		return p
+		pairs = append(pairs, dto.LabelPair{Name: name, Value: value})
+		return &pairs[len(pairs)-1]
 	}
 	value := func(v string) *string {
 		values = append(values, v)
 		return &values[len(values)-1]
 	}
+	// add returns a new series of d with value v and the label pairs
+	// labels; the caller sets its gauge or counter.
+	add := func(d *prometheus.Desc, v float64, labels []*dto.LabelPair) *mountSeries {
+		series = append(series, mountSeries{desc: d, value: v, labels: labels})
+		m := &series[len(series)-1]
+		out = append(out, m)
+		return m
+	}
 	counter := func(d *prometheus.Desc, v uint64, labels ...*dto.LabelPair) {
-		m := &series[len(out)]
-		m.desc, m.value = d, float64(v)
 		start := len(refs)
 		refs = append(refs, labels...)
-		m.labels = refs[start:len(refs):len(refs)]
-		m.counter, counters = &counters[0], counters[1:]
-		m.counter.Value = &m.value
-		out = append(out, m)
+		m := add(d, float64(v), refs[start:len(refs):len(refs)])
+		counters = append(counters, dto.Counter{Value: &m.value})
+		m.counter = &counters[len(counters)-1]
 	}
 	for i := range rows {
 		r := &rows[i]
@@ -245,11 +250,9 @@ func (c *mountCollector) series(rows []mountRow) []*mountSeries {
 		refs = append(refs, mount)
 		single := refs[start:len(refs):len(refs)]
 		gauge := func(d *prometheus.Desc, v float64) {
-			m := &series[len(out)]
-			m.desc, m.value, m.labels = d, v, single
-			m.gauge, gauges = &gauges[0], gauges[1:]
-			m.gauge.Value = &m.value
-			out = append(out, m)
+			m := add(d, v, single)
+			gauges = append(gauges, dto.Gauge{Value: &m.value})
+			m.gauge = &gauges[len(gauges)-1]
 		}
 		if r.passed {
 			gauge(c.projected, boolValue(r.projected))
