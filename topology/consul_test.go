@@ -251,7 +251,8 @@ func TestConsulCluster(t *testing.T) {
 		}
 		t.Logf("%s (healed after %v): %s", what, healed.Sub(from).Round(time.Millisecond), strings.Join(line, "; "))
 	}
-	acked := func(since time.Time) time.Time { return ct.healed(h, since) }
+	// serverHealed waits for a server fault's heal from now (ct.healed).
+	serverHealed := func() time.Time { return ct.healed(h, time.Now()) }
 	// frozen freezes n for 10 s; the heal is the thaw, or for a server the
 	// first write acknowledged after it with the agent's answers fresh
 	// (healed: the cluster may need an election once the old leader is
@@ -261,7 +262,7 @@ func TestConsulCluster(t *testing.T) {
 			time.Sleep(10 * time.Second)
 			n.Thaw()
 			if server {
-				return acked(time.Now())
+				return serverHealed()
 			}
 			return time.Now()
 		}
@@ -269,7 +270,7 @@ func TestConsulCluster(t *testing.T) {
 
 	// The leader killed; a new one is elected; the old one restarts.
 	var killed *consultest.Node
-	fault("leader killed", check{}, func() { killed = c.Leader(); killed.Kill() }, func() time.Time { return acked(time.Now()) })
+	fault("leader killed", check{}, func() { killed = c.Leader(); killed.Kill() }, func() time.Time { return serverHealed() })
 	killed.Start()
 	c.WaitLeader()
 	// The leader frozen for 10 s.
@@ -306,7 +307,7 @@ func TestConsulCluster(t *testing.T) {
 		for _, n := range down {
 			n.Start()
 		}
-		return acked(time.Now())
+		return serverHealed()
 	}
 	fault("quorum lost, the leader surviving", check{stale: true}, func() {
 		leader := c.Leader()
