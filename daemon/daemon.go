@@ -336,6 +336,7 @@ func (d *daemon) reloadSplit(ctx context.Context, cfg *config.Config, rec *confi
 // nil after a clean stop: running operations finish, no write is left half
 // done.
 func Run(ctx context.Context, opts Options) error {
+	defer setMonitorGCPercent(os.Getenv)()
 	svc := &service{notify: opts.Notify}
 	d, err := load(opts, svc, svc)
 	if err != nil {

@@ -295,9 +295,16 @@ func (e *env) start(args ...string) (*exec.Cmd, *testlog.Buffer) {
 // startEnv runs the kvmount binary with extra environment variables.
 func (e *env) startEnv(environ []string, args ...string) (*exec.Cmd, *testlog.Buffer) {
 	e.t.Helper()
+	return e.startIn(append(os.Environ(), environ...), args...)
+}
+
+// startIn runs the kvmount binary in the environment environ, and no
+// other.
+func (e *env) startIn(environ []string, args ...string) (*exec.Cmd, *testlog.Buffer) {
+	e.t.Helper()
 	logs := &testlog.Buffer{}
 	cmd := exec.Command(kvmountBin, append(args, "-config", e.config)...)
-	cmd.Env = append(os.Environ(), environ...)
+	cmd.Env = environ
 	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		e.t.Fatal(err)
