@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 )
 
@@ -25,8 +26,8 @@ type Projection struct {
 	Optional bool
 	// Missing reports that the prefix does not exist in the source.
 	Missing bool
-	// Entries maps keys relative to Prefix to their values.
-	Entries map[string][]byte
+	// Entries are the keys relative to Prefix and their values.
+	Entries kvset.Set
 	// Oversized maps keys whose values the source did not keep, being
 	// larger than any mount following it takes, to their sizes in bytes
 	// (source.Snapshot.Oversized): such a key fails the mount as a value
@@ -112,13 +113,15 @@ func originOf(projections []Projection, p string) (origin, bool) {
 			continue
 		}
 		if pr.Items == nil {
+			// The first in byte order: the set's order.
 			first, found := "", false
-			for key := range pr.Entries {
-				if key == "" || strings.HasSuffix(key, "/") || found && key >= first {
+			for key := range pr.Entries.Keys() {
+				if key == "" || strings.HasSuffix(key, "/") {
 					continue
 				}
 				if clean, err := CleanPath(key); err == nil && clean == p {
 					first, found = key, true
+					break
 				}
 			}
 			if found {
@@ -127,7 +130,7 @@ func originOf(projections []Projection, p string) (origin, bool) {
 			continue
 		}
 		for _, it := range pr.Items {
-			if _, ok := pr.Entries[it.Key]; !ok {
+			if !pr.Entries.Has(it.Key) {
 				continue
 			}
 			if clean, err := CleanPath(it.Path); err == nil && clean == p {
@@ -170,7 +173,7 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 	// objects of other mounts (1,000 mounts set up at once).
 	files := 0
 	for _, pr := range projections {
-		files += len(pr.Entries)
+		files += pr.Entries.Len()
 	}
 	payload := make(Payload, files)
 	dirs := map[string]bool{} // directories that payload's paths need
@@ -238,29 +241,25 @@ func MakePayload(mount string, projections []Projection, opts Options) (Payload,
 			return nil, nil, err
 		}
 		if pr.Items == nil {
-			keys := make([]string, 0, len(pr.Entries))
-			for key := range pr.Entries {
+			// In byte order (the set's), so that of "a" and "a/b" the
+			// same one always wins.
+			for key, value := range pr.Entries.All() {
 				switch {
 				case key != "" && !strings.HasSuffix(key, "/"):
-					keys = append(keys, key)
+					if err := add(key, key, 0, value); err != nil {
+						return nil, nil, err
+					}
 				case key != "" && view != nil:
 					// A folder marker: no file, but keyExists "dir/".
 					if clean, err := CleanPath(key); err == nil {
-						view.AddFolder(clean+"/", pr.Prefix+key, pr.Entries[key])
+						view.AddFolder(clean+"/", pr.Prefix+key, value)
 					}
-				}
-			}
-			// Sorted, so that of "a" and "a/b" the same one always wins.
-			slices.Sort(keys)
-			for _, key := range keys {
-				if err := add(key, key, 0, pr.Entries[key]); err != nil {
-					return nil, nil, err
 				}
 			}
 			continue
 		}
 		for _, it := range pr.Items {
-			value, ok := pr.Entries[it.Key]
+			value, ok := pr.Entries.Get(it.Key)
 			if !ok {
 				if it.Optional || pr.Optional {
 					continue

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvmount/kvmount/kvset"
 )
 
 func TestMakePayload(t *testing.T) {
@@ -13,7 +15,7 @@ func TestMakePayload(t *testing.T) {
 	f := func(data string, mode uint32) File {
 		return File{Data: []byte(data), Mode: fs.FileMode(mode), UID: 7, GID: 8}
 	}
-	entries := map[string][]byte{"a": []byte("A"), "dir/b": []byte("B"), "dir/": nil, "": []byte("self")}
+	entries := kvset.FromMap(map[string][]byte{"a": []byte("A"), "dir/b": []byte("B"), "dir/": nil, "": []byte("self")})
 	tests := []struct {
 		name         string
 		projections  []Projection
@@ -25,19 +27,19 @@ func TestMakePayload(t *testing.T) {
 	}{
 		{
 			name:        "value within max_value_size",
-			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1234")}}},
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1234")})}},
 			maxValue:    4,
 			want:        Payload{"a": f("1234", 0o644)},
 		},
 		{
 			name:        "value over max_value_size",
-			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "big": []byte("12345")}}},
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "big": []byte("12345")})}},
 			maxValue:    4,
 			wantErr:     `mount "m": source "s" key "/p/big": value of 5 bytes exceeds max_value_size (4 bytes)`,
 		},
 		{
 			name:        "payload over max_mount_size",
-			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("123"), "b": []byte("12345")}}},
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("123"), "b": []byte("12345")})}},
 			maxSize:     7,
 			wantErr:     `mount "m": payload of 8 bytes exceeds max_mount_size (7 bytes); the largest file is "b"`,
 		},
@@ -81,39 +83,39 @@ func TestMakePayload(t *testing.T) {
 		},
 		{
 			name: "bad keys are rejected, the rest projected",
-			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{
 				"../escape": []byte("x"), "ok": []byte("ok"), "..data": []byte("x"), "a\x00b": []byte("x"), "sub/../../up": []byte("x"),
-			}}},
+			})}},
 			want:         Payload{"ok": f("ok", 0o644)},
 			wantRejected: []string{"/p/../escape", "/p/..data", "/p/a\x00b", "/p/sub/../../up"},
 		},
 		{
 			name:         "file and directory of the same name",
-			projections:  []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "a/b": []byte("2")}}},
+			projections:  []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "a/b": []byte("2")})}},
 			want:         Payload{"a": f("1", 0o644)},
 			wantRejected: []string{"/p/a/b"},
 		},
 		{
 			name: "two projections",
 			projections: []Projection{
-				{Source: "one", Prefix: "/x/", Entries: map[string][]byte{"a": []byte("1")}},
-				{Source: "two", Prefix: "y/", Entries: map[string][]byte{"b": []byte("2")}},
+				{Source: "one", Prefix: "/x/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1")})},
+				{Source: "two", Prefix: "y/", Entries: kvset.FromMap(map[string][]byte{"b": []byte("2")})},
 			},
 			want: Payload{"a": f("1", 0o644), "b": f("2", 0o644)},
 		},
 		{
 			name: "two projections, same path",
 			projections: []Projection{
-				{Source: "one", Prefix: "/x/", Entries: map[string][]byte{"a": []byte("1")}},
-				{Source: "two", Prefix: "y/", Entries: map[string][]byte{"a": []byte("2")}},
+				{Source: "one", Prefix: "/x/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1")})},
+				{Source: "two", Prefix: "y/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("2")})},
 			},
 			wantErr: `path "a" comes from both source "one" key "/x/a" and source "two" key "y/a"`,
 		},
 		{
 			name: "keys that clean to one path: the later in byte order is rejected",
-			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+			projections: []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{
 				"a//b": []byte("1"), "a/b": []byte("2"), "./x": []byte("3"), "x": []byte("4"), "d/.": []byte("5"), "d": []byte("6"), "ok": []byte("7"),
-			}}},
+			})}},
 			want:         Payload{"a/b": f("1", 0o644), "x": f("3", 0o644), "d": f("6", 0o644), "ok": f("7", 0o644)},
 			wantRejected: []string{"/p/a/b", "/p/d/.", "/p/x"},
 		},
@@ -160,7 +162,7 @@ func FuzzMakePayload(f *testing.F) {
 		f.Add(seed[0], seed[1], seed[2])
 	}
 	f.Fuzz(func(t *testing.T, k1, k2, item string) {
-		pr := Projection{Source: "s", Prefix: "/p/", Entries: map[string][]byte{k1: []byte("1"), k2: []byte("2")}}
+		pr := Projection{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{k1: []byte("1"), k2: []byte("2")})}
 		if item != "" {
 			pr.Items = []Item{{Key: k1, Path: item}, {Key: k2, Path: k2, Optional: true}}
 		}
@@ -182,7 +184,7 @@ func FuzzMakePayload(f *testing.F) {
 		if item == "" {
 			// Every key is projected or rejected, none lost.
 			eligible := 0
-			for k := range pr.Entries {
+			for k := range pr.Entries.All() {
 				if k != "" && !strings.HasSuffix(k, "/") {
 					eligible++
 				}
@@ -197,9 +199,9 @@ func FuzzMakePayload(f *testing.F) {
 // TestPathTakenNamesTheKeyPlaced: a key whose path an earlier key (in byte
 // order) took is rejected with an error that names that earlier key.
 func TestPathTakenNamesTheKeyPlaced(t *testing.T) {
-	pr := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{
+	pr := []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{
 		"a//b": []byte("1"), "a/b": []byte("2"), "./x": []byte("3"), "x": []byte("4"), "x//": []byte("5"),
-	}}}
+	})}}
 	_, rejected, err := MakePayload("m", pr, Options{Mode: 0o644})
 	if err != nil {
 		t.Fatal(err)
@@ -223,7 +225,7 @@ func TestPathTakenNamesTheKeyPlaced(t *testing.T) {
 // is refused before anything is written.
 func TestDirectoriesCountAgainstTheLimits(t *testing.T) {
 	deep := func(leaf string) string { return strings.Repeat("d/", 1000) + leaf }
-	projections := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{deep("a"): []byte("1"), deep("b"): []byte("2")}}}
+	projections := []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{deep("a"): []byte("1"), deep("b"): []byte("2")})}}
 	opts := Options{Mode: 0o644, UID: -1, GID: -1, MaxFiles: 5}
 	if _, _, err := MakePayload("m", projections, opts); !errors.Is(err, ErrTooManyFiles) || !strings.Contains(err.Error(), "1000 directories") {
 		t.Errorf("deep keys under max_files = 5: %v; want ErrTooManyFiles", err)
@@ -233,7 +235,7 @@ func TestDirectoriesCountAgainstTheLimits(t *testing.T) {
 		t.Errorf("deep keys under max_mount_size = 64 KiB: %v; want ErrMountTooLarge counting the directories", err)
 	}
 	// Within the limits: one file in two directories is three entries.
-	small := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"x/y/z": []byte("1")}}}
+	small := []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"x/y/z": []byte("1")})}}
 	if _, _, err := MakePayload("m", small, Options{Mode: 0o644, UID: -1, GID: -1, MaxFiles: 3}); err != nil {
 		t.Errorf("one file in two directories under max_files = 3: %v", err)
 	}
@@ -246,7 +248,7 @@ func TestDirectoriesCountAgainstTheLimits(t *testing.T) {
 // for its size (Projection.Oversized) fails the mount as a value over
 // max_value_size does, naming key and size — unless items leave it out.
 func TestOversizedKeysFailTheMount(t *testing.T) {
-	pr := Projection{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1")}, Oversized: map[string]int64{"big": 1_400_000}}
+	pr := Projection{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1")}), Oversized: map[string]int64{"big": 1_400_000}}
 	opts := Options{Mode: 0o644, UID: -1, GID: -1, MaxValueSize: 1 << 20}
 	if _, _, err := MakePayload("m", []Projection{pr}, opts); !errors.Is(err, ErrValueTooLarge) || !strings.Contains(err.Error(), `key "/p/big": value of 1400000 bytes`) {
 		t.Errorf("an oversized key: %v; want ErrValueTooLarge naming it", err)

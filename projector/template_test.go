@@ -9,6 +9,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 )
 
@@ -128,7 +129,7 @@ func TestTemplateGolden(t *testing.T) {
 // key's path fails the mount naming both; a render error fails the mount.
 func TestMakePayloadWithTemplates(t *testing.T) {
 	conf, _ := ParseTemplate("conf.tmpl", "conf/app.conf", `a={{ key "a" }} b={{ key "dir/b" }}`, 0o600)
-	pr := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "dir/b": []byte("2")}}}
+	pr := []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "dir/b": []byte("2")})}}
 	opts := Options{Mode: 0o644, UID: 7, GID: 8, Templates: []*Template{conf}}
 	got, _, err := MakePayload("m", pr, opts)
 	if err != nil {
@@ -169,7 +170,7 @@ func FuzzTemplate(f *testing.F) {
 		if err != nil {
 			return
 		}
-		pr := []Projection{{Source: "s", Prefix: "/p/", Entries: map[string][]byte{"a": []byte("1"), "d/b": []byte("2")}}}
+		pr := []Projection{{Source: "s", Prefix: "/p/", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "d/b": []byte("2")})}}
 		payload, _, err := MakePayload("m", pr, Options{Mode: 0o644, MaxValueSize: 1 << 16, Templates: []*Template{tmpl}})
 		if err != nil {
 			return

@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -30,10 +31,11 @@ func (f *fakeFeed) State() source.FeedState {
 func (f *fakeFeed) publish(rev string, entries map[string]string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	s := &source.Snapshot{Revision: rev, Missing: len(entries) == 0, Entries: map[string][]byte{}}
+	m := map[string][]byte{}
 	for k, v := range entries {
-		s.Entries[k] = []byte(v)
+		m[k] = []byte(v)
 	}
+	s := &source.Snapshot{Revision: rev, Missing: len(entries) == 0, Entries: kvset.FromMap(m)}
 	f.state = source.FeedState{Snapshot: s, Version: f.state.Version + 1}
 }
 

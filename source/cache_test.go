@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvmount/kvmount/kvset"
 )
 
 // fakeSource counts its follows and publishes one snapshot per follow.
@@ -31,7 +33,7 @@ func (f *fakeSource) Follow(ctx context.Context, prefix string, pub Publisher) e
 	f.running[prefix]++
 	f.started++
 	f.mu.Unlock()
-	pub.Publish(Snapshot{Revision: f.name, Entries: map[string][]byte{"k": []byte(f.name)}})
+	pub.Publish(Snapshot{Revision: f.name, Entries: kvset.FromMap(map[string][]byte{"k": []byte(f.name)})})
 	<-ctx.Done()
 	f.mu.Lock()
 	f.running[prefix]--
@@ -211,12 +213,12 @@ func TestFeedKeepsWithinItsLimits(t *testing.T) {
 		t.Errorf("limits of one use = %+v; want %+v", got, small)
 	}
 	waitRevision(t, f, "main") // the fake follow's own snapshot, first
-	f.Publish(Snapshot{Revision: "1", Entries: map[string][]byte{"a": []byte("1"), "big": []byte("12345")}})
+	f.Publish(Snapshot{Revision: "1", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "big": []byte("12345")})})
 	st := f.State()
-	if st.Snapshot == nil || len(st.Snapshot.Entries) != 1 || st.Snapshot.Oversized["big"] != 5 {
+	if st.Snapshot == nil || st.Snapshot.Entries.Len() != 1 || st.Snapshot.Oversized["big"] != 5 {
 		t.Fatalf("state %+v; want a kept and big oversized (5 bytes)", st)
 	}
-	f.Publish(Snapshot{Revision: "2", Entries: map[string][]byte{"a": []byte("1"), "b": []byte("2"), "c": []byte("3")}})
+	f.Publish(Snapshot{Revision: "2", Entries: kvset.FromMap(map[string][]byte{"a": []byte("1"), "b": []byte("2"), "c": []byte("3")})})
 	if st := f.State(); !errors.Is(st.Err, ErrOverLimits) || st.Snapshot.Revision != "1" {
 		t.Errorf("three keys under MaxKeys 2: state %+v; want ErrOverLimits and revision 1 kept", st)
 	}

@@ -61,26 +61,28 @@ func (l Limits) Check(keys int, bytes int64) error {
 }
 
 // apply returns s with every value l does not keep moved to s.Oversized
-// (copying Entries when it must), or an error wrapping ErrOverLimits.
+// (Entries without them, sharing its values), or an error wrapping
+// ErrOverLimits.
 func (l Limits) apply(s Snapshot) (Snapshot, error) {
-	var bytes int64
-	copied := false
-	for key, value := range s.Entries {
+	var dropped map[string]int64
+	entries, _ := s.Entries.Filter(func(key string, value []byte) bool {
 		if l.Keeps(len(value)) {
-			bytes += int64(len(value))
-			continue
+			return true
 		}
-		if !copied {
-			s.Entries, copied = maps.Clone(s.Entries), true
-			s.Oversized = maps.Clone(s.Oversized)
-			if s.Oversized == nil {
-				s.Oversized = map[string]int64{}
+		if dropped == nil {
+			dropped = maps.Clone(s.Oversized)
+			if dropped == nil {
+				dropped = map[string]int64{}
 			}
 		}
-		delete(s.Entries, key)
-		s.Oversized[key] = int64(len(value))
+		dropped[key] = int64(len(value))
+		return false
+	})
+	s.Entries = entries
+	if dropped != nil {
+		s.Oversized = dropped
 	}
-	if err := l.Check(len(s.Entries)+len(s.Oversized), bytes); err != nil {
+	if err := l.Check(s.Entries.Len()+len(s.Oversized), s.Entries.ValueBytes()); err != nil {
 		return Snapshot{}, err
 	}
 	return s, nil

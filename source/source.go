@@ -15,6 +15,7 @@ import (
 	"strings"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 )
 
@@ -27,8 +28,8 @@ type Snapshot struct {
 	Revision string
 	// Missing reports that the prefix does not exist (no keys under it).
 	Missing bool
-	// Entries maps keys relative to the prefix to their values.
-	Entries map[string][]byte
+	// Entries are the keys relative to the prefix and their values.
+	Entries kvset.Set
 	// Oversized maps the keys whose values were larger than the feed's
 	// Limits.MaxValueSize to their sizes, in bytes: they exist, but their
 	// bytes were not kept.

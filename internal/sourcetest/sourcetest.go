@@ -140,14 +140,14 @@ func Last(snaps []source.Snapshot) *source.Snapshot {
 func Holds(want map[string]string) Condition {
 	return func(snaps []source.Snapshot, _ error) bool {
 		last := Last(snaps)
-		return last != nil && maps.EqualFunc(last.Entries, want, func(v []byte, w string) bool { return string(v) == w })
+		return last != nil && maps.EqualFunc(last.Entries.Map(), want, func(v []byte, w string) bool { return string(v) == w })
 	}
 }
 
 // Missing is the condition that the last snapshot reports a missing prefix.
 func Missing(snaps []source.Snapshot, _ error) bool {
 	last := Last(snaps)
-	return last != nil && last.Missing && len(last.Entries) == 0
+	return last != nil && last.Missing && last.Entries.Len() == 0
 }
 
 // Failing is the condition that the source reports a failure.
@@ -161,11 +161,11 @@ func Render(s *source.Snapshot) string {
 	if s == nil {
 		return "none"
 	}
-	if len(s.Entries) > 20 {
-		return fmt.Sprintf("%d entries at %s", len(s.Entries), s.Revision)
+	if s.Entries.Len() > 20 {
+		return fmt.Sprintf("%d entries at %s", s.Entries.Len(), s.Revision)
 	}
-	m := make(map[string]string, len(s.Entries))
-	for k, v := range s.Entries {
+	m := make(map[string]string, s.Entries.Len())
+	for k, v := range s.Entries.All() {
 		m[k] = string(v)
 	}
 	return fmt.Sprintf("%v at %s", m, s.Revision)

@@ -64,8 +64,8 @@ func TestTransactionIsOneSnapshot(t *testing.T) {
 	rec.WaitFor(t, "last transaction", sourcetest.Holds(map[string]string{"a": "100", "b": "100"}))
 	snaps, _ := rec.State()
 	for _, s := range snaps {
-		if string(s.Entries["a"]) != string(s.Entries["b"]) {
-			t.Fatalf("snapshot at index %s mixes transactions: %q %q", s.Revision, s.Entries["a"], s.Entries["b"])
+		if string(s.Entries.ValueOf("a")) != string(s.Entries.ValueOf("b")) {
+			t.Fatalf("snapshot at index %s mixes transactions: %q %q", s.Revision, s.Entries.ValueOf("a"), s.Entries.ValueOf("b"))
 		}
 	}
 }

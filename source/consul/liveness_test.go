@@ -177,7 +177,7 @@ func TestNeverBackwards(t *testing.T) {
 	snaps, _ := rec.State()
 	var seen []string
 	for _, s := range snaps {
-		seen = append(seen, string(s.Entries["v"]))
+		seen = append(seen, string(s.Entries.ValueOf("v")))
 	}
 	if got := strings.Join(seen, " "); got != "10 11 5" {
 		t.Errorf("published %q; want 10 11 5 (never the lagging 9)", got)

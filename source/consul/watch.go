@@ -13,6 +13,7 @@ import (
 	"github.com/hashicorp/consul/api"
 	"golang.org/x/time/rate"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -215,11 +216,18 @@ func (s *Source) deliver(st *follower, l *listing, own api.KVPairs) {
 		}
 		return
 	}
-	entries := make(map[string][]byte, len(own))
+	// The values copied into one chunk: the response's, one allocation
+	// each, are garbage once every prefix has its part.
+	b := kvset.NewBuilder(len(own))
+	size := 0
 	for _, p := range own {
-		entries[strings.TrimPrefix(p.Key, st.prefix)] = p.Value
+		size += len(p.Value)
 	}
-	st.pub.Publish(source.Snapshot{Revision: strconv.FormatUint(l.index, 10), Missing: len(own) == 0, Entries: entries})
+	b.Grow(size)
+	for _, p := range own {
+		b.Add(strings.TrimPrefix(p.Key, st.prefix), p.Value)
+	}
+	st.pub.Publish(source.Snapshot{Revision: strconv.FormatUint(l.index, 10), Missing: len(own) == 0, Entries: b.Set()})
 	st.published, st.sig, st.errText = true, sig, ""
 }
 

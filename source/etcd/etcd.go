@@ -28,6 +28,7 @@ import (
 	"google.golang.org/grpc/connectivity"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -198,10 +199,11 @@ type follower struct {
 	prefix string
 	pub    source.Publisher
 	log    *slog.Logger
-	// last is the last snapshot published, nil before the first, and
-	// lastOversized its keys whose values were not kept.
-	last          map[string][]byte
+	// last is the last snapshot published (published is false before
+	// the first), and lastOversized its keys whose values were not kept.
+	last          kvset.Set
 	lastOversized map[string]int64
+	published     bool
 }
 
 func (f *follower) run(ctx context.Context) error {
@@ -252,13 +254,13 @@ func (f *follower) cycle(ctx context.Context) error {
 // publish delivers entries and oversized (the keys whose values were not
 // kept) unless they equal the last snapshot, in which case it only reports
 // the source healthy.
-func (f *follower) publish(entries map[string][]byte, oversized map[string]int64, rev int64) {
-	if f.last != nil && maps.EqualFunc(entries, f.last, bytes.Equal) && maps.Equal(oversized, f.lastOversized) {
+func (f *follower) publish(entries kvset.Set, oversized map[string]int64, rev int64) {
+	if f.published && kvset.Equal(entries, f.last) && maps.Equal(oversized, f.lastOversized) {
 		f.pub.Status(nil)
 		return
 	}
-	f.last, f.lastOversized = entries, oversized
-	f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: len(entries)+len(oversized) == 0, Entries: entries, Oversized: oversized})
+	f.last, f.lastOversized, f.published = entries, oversized, true
+	f.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: entries.Len()+len(oversized) == 0, Entries: entries, Oversized: oversized})
 }
 
 // ready waits up to the dial timeout for the client's connection, so that
@@ -316,7 +318,8 @@ func span(prefix string) (key, end string) {
 // the 15 that 16 MiB hold at the default max_value_size of 1 MiB: 1,000
 // prefixes of 100 small keys took 8,000 requests — a count, then 7 pages
 // each — and a restart at that size 0.9–1.0 s; they now take 1,000.
-func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim source.Limits, rev int64) (entries map[string][]byte, oversized map[string]int64, header *etcdserverpb.ResponseHeader, err error) {
+func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim source.Limits, rev int64) (_ kvset.Set, oversized map[string]int64, header *etcdserverpb.ResponseHeader, err error) {
+	var entries *kvset.Builder
 	key, end := span(prefix)
 	r := pageReader{kv: clientv3.RetryKVClient(cli), prefix: prefix, start: key, end: end, rev: rev, page: pageSize, safe: pageSize}
 	budget := maxRecvMsgSize
@@ -340,11 +343,11 @@ func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim so
 				counted = true
 				resp, err := r.count(ctx)
 				if err != nil {
-					return nil, nil, nil, err
+					return kvset.Set{}, nil, nil, err
 				}
 				header = resp.Header
 				if err := lim.Check(int(resp.Count), 0); err != nil {
-					return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
+					return kvset.Set{}, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 				}
 				r.budget = budget
 				continue
@@ -354,7 +357,7 @@ func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim so
 			}
 		}
 		if err != nil {
-			return nil, nil, nil, fmt.Errorf("source/etcd: read %s: %w", prefix, err)
+			return kvset.Set{}, nil, nil, fmt.Errorf("source/etcd: read %s: %w", prefix, err)
 		}
 		if header == nil {
 			header = resp.Header
@@ -362,18 +365,18 @@ func listPrefix(ctx context.Context, cli *clientv3.Client, prefix string, lim so
 		if entries == nil {
 			counted, r.budget = true, budget
 			if err := lim.Check(int(resp.Count), 0); err != nil {
-				return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
+				return kvset.Set{}, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 			}
 			// Sized once for the whole range (Count, at most what a
 			// few pages hold) rather than grown key by key.
-			entries = make(map[string][]byte, min(resp.Count, 4*pageSize))
+			entries = kvset.NewBuilder(int(min(resp.Count, 4*pageSize)))
 		}
 		kept += addPacked(entries, &oversized, prefix, resp.Kvs, lim)
-		if err := lim.Check(len(entries)+len(oversized), kept); err != nil {
-			return nil, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
+		if err := lim.Check(entries.Len()+len(oversized), kept); err != nil {
+			return kvset.Set{}, nil, nil, fmt.Errorf("source/etcd: %s: %w", prefix, err)
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return entries, oversized, header, nil
+			return entries.Set(), oversized, header, nil
 		}
 		if testHookAfterPage != nil {
 			testHookAfterPage()
@@ -446,103 +449,76 @@ func (r *pageReader) count(ctx context.Context) (*etcdserverpb.RangeResponse, er
 	return resp, nil
 }
 
-// addPacked adds kvs to entries under their keys relative to prefix, with
-// the keys copied into one string and the values into one buffer (each
-// value capped to its own length, so that no append reaches a neighbour).
-// Kept one allocation per key and per value, as decoded, they share size
-// classes with the decoded messages, which are garbage at once: the spans
-// they leave behind stay resident, half empty — 1,000 prefixes of 100 keys
-// held that way left the heap in use about 18 MB above the live heap.
-// A snapshot's buffers live until the last of its entries is replaced.
+// addPacked adds kvs to entries under their keys relative to prefix, the
+// page's values copied into one chunk of the set (kvset.Builder.Grow):
+// kept one allocation per key and per value, as decoded, they shared
+// size classes with the decoded messages, which are garbage at once, and
+// the spans they left behind stayed resident, half empty — 1,000
+// prefixes of 100 keys held that way left the heap in use about 18 MB
+// above the live heap.
 //
 // A value lim does not keep is left out: its key and size go to
 // *oversized (made when first needed). It returns the bytes of values
 // kept.
-func addPacked(entries map[string][]byte, oversized *map[string]int64, prefix string, kvs []*mvccpb.KeyValue, lim source.Limits) int64 {
+func addPacked(entries *kvset.Builder, oversized *map[string]int64, prefix string, kvs []*mvccpb.KeyValue, lim source.Limits) int64 {
 	p := []byte(prefix)
 	rel := func(kv *mvccpb.KeyValue) []byte {
 		return bytes.TrimPrefix(kv.Key, p)
 	}
-	keyBytes, valueBytes := 0, 0
+	kept := 0
 	for _, kv := range kvs {
-		keyBytes += len(rel(kv))
 		if lim.Keeps(len(kv.Value)) {
-			valueBytes += len(kv.Value)
+			kept += len(kv.Value)
 		}
 	}
-	var keys strings.Builder
-	keys.Grow(keyBytes)
-	values := make([]byte, 0, valueBytes)
+	entries.Grow(kept)
 	for _, kv := range kvs {
-		keys.Write(rel(kv))
-		if lim.Keeps(len(kv.Value)) {
-			values = append(values, kv.Value...)
-		}
-	}
-	all := keys.String()
-	k, v := 0, 0
-	for _, kv := range kvs {
-		kn, vn := len(rel(kv)), len(kv.Value)
-		if !lim.Keeps(vn) {
+		if !lim.Keeps(len(kv.Value)) {
 			if *oversized == nil {
 				*oversized = map[string]int64{}
 			}
-			(*oversized)[all[k:k+kn]] = int64(vn)
-			k += kn
+			(*oversized)[string(rel(kv))] = int64(len(kv.Value))
 			continue
 		}
-		entries[all[k:k+kn]] = values[v : v+vn : v+vn]
-		k, v = k+kn, v+vn
+		entries.AddBytes(rel(kv), kv.Value)
 	}
-	return int64(valueBytes)
+	return int64(kept)
 }
 
-// apply folds events into copies of entries and oversized (the keys whose
-// values lim does not keep) and reports whether anything changed. entries
-// and oversized themselves are never modified: they were published.
-func apply(entries map[string][]byte, oversized map[string]int64, prefix string, events []*clientv3.Event, lim source.Limits) (map[string][]byte, map[string]int64, bool) {
-	next, nextOversized := entries, oversized
-	copied := false
+// apply folds events into entries and oversized (the keys whose values
+// lim does not keep), and reports whether anything changed. entries and
+// oversized themselves are never modified: they were published; the new
+// set shares what entries' values it keeps (kvset.Set.With).
+func apply(entries kvset.Set, oversized map[string]int64, prefix string, events []*clientv3.Event, lim source.Limits) (kvset.Set, map[string]int64, bool) {
+	changes := make([]kvset.Change, 0, len(events))
+	nextOversized, copied := oversized, false
 	for _, ev := range events {
 		rel := strings.TrimPrefix(string(ev.Kv.Key), prefix)
-		old, had := next[rel]
-		oldSize, hadOversized := nextOversized[rel]
-		keep := lim.Keeps(len(ev.Kv.Value))
-		switch ev.Type {
-		case clientv3.EventTypePut:
-			if keep && had && bytes.Equal(old, ev.Kv.Value) || !keep && hadOversized && oldSize == int64(len(ev.Kv.Value)) {
-				continue
+		size, hadOversized := nextOversized[rel]
+		keep := ev.Type == clientv3.EventTypePut && lim.Keeps(len(ev.Kv.Value))
+		oversizedNow := ev.Type == clientv3.EventTypePut && !keep
+		if hadOversized != oversizedNow || oversizedNow && size != int64(len(ev.Kv.Value)) {
+			if !copied {
+				nextOversized, copied = maps.Clone(oversized), true
+				if nextOversized == nil {
+					nextOversized = map[string]int64{}
+				}
 			}
-		case clientv3.EventTypeDelete:
-			if !had && !hadOversized {
-				continue
+			if oversizedNow {
+				nextOversized[rel] = int64(len(ev.Kv.Value))
+			} else {
+				delete(nextOversized, rel)
 			}
 		}
-		if !copied {
-			next, nextOversized = maps.Clone(entries), maps.Clone(oversized)
-			copied = true
-		}
-		delete(next, rel)
-		delete(nextOversized, rel)
-		switch {
-		case ev.Type != clientv3.EventTypePut:
-		case keep:
-			next[rel] = ev.Kv.Value
-		default:
-			if nextOversized == nil {
-				nextOversized = map[string]int64{}
-			}
-			nextOversized[rel] = int64(len(ev.Kv.Value))
+		if keep {
+			changes = append(changes, kvset.Change{Key: rel, Value: ev.Kv.Value})
+		} else {
+			changes = append(changes, kvset.Change{Key: rel, Delete: true})
 		}
 	}
-	return next, nextOversized, copied
-}
-
-// valueBytes returns the bytes of entries' values.
-func valueBytes(entries map[string][]byte) int64 {
-	var n int64
-	for _, v := range entries {
-		n += int64(len(v))
+	next, changed := entries.With(changes)
+	if copied && len(nextOversized) == 0 {
+		nextOversized = nil
 	}
-	return n
+	return next, nextOversized, changed || copied
 }

@@ -18,6 +18,7 @@ import (
 	"github.com/kvmount/kvmount/internal/faultproxy"
 	"github.com/kvmount/kvmount/internal/roottest"
 	"github.com/kvmount/kvmount/internal/sourcetest"
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/peercred"
 	"github.com/kvmount/kvmount/source"
 )
@@ -68,7 +69,7 @@ func TestTransactionIsOneSnapshot(t *testing.T) {
 	rec.WaitFor(t, "last transaction", sourcetest.Holds(map[string]string{"a": final, "b": final, "c": final}))
 	snaps, _ := rec.State()
 	for _, s := range snaps {
-		a, b, c := string(s.Entries["a"]), string(s.Entries["b"]), string(s.Entries["c"])
+		a, b, c := string(s.Entries.ValueOf("a")), string(s.Entries.ValueOf("b")), string(s.Entries.ValueOf("c"))
 		if a != b || b != c {
 			t.Fatalf("snapshot at revision %s mixes transactions: a=%s b=%s c=%s", s.Revision, a, b, c)
 		}
@@ -93,12 +94,12 @@ func TestLargePrefix(t *testing.T) {
 	rec := follow(t, &Config{Endpoints: []string{srv.Endpoint()}, ChangeDetection: Watch}, "/big/")
 	rec.WaitFor(t, "100,000 keys", func(snaps []source.Snapshot, _ error) bool {
 		last := sourcetest.Last(snaps)
-		return last != nil && len(last.Entries) == n
+		return last != nil && last.Entries.Len() == n
 	})
 	etcdtest.Put(t, cli, "/big/key-000000", "changed")
 	rec.WaitFor(t, "a change after the large read", func(snaps []source.Snapshot, _ error) bool {
 		last := sourcetest.Last(snaps)
-		return string(last.Entries["key-000000"]) == "changed" && string(last.Entries["key-099999"]) == "99999" && len(last.Entries) == n
+		return string(last.Entries.ValueOf("key-000000")) == "changed" && string(last.Entries.ValueOf("key-099999")) == "99999" && last.Entries.Len() == n
 	})
 }
 
@@ -130,11 +131,11 @@ func TestPagesReadAtOneRevision(t *testing.T) {
 	rec.WaitFor(t, "first snapshot", func(snaps []source.Snapshot, _ error) bool { return len(snaps) > 0 })
 	snaps, _ := rec.State()
 	values := map[string]int{}
-	for _, v := range snaps[0].Entries {
+	for _, v := range snaps[0].Entries.All() {
 		values[string(v)]++
 	}
-	if len(snaps[0].Entries) != n || values["old"] != n {
-		t.Errorf("first snapshot: %d keys, values %v; want %d keys all \"old\" (one revision)", len(snaps[0].Entries), values, n)
+	if snaps[0].Entries.Len() != n || values["old"] != n {
+		t.Errorf("first snapshot: %d keys, values %v; want %d keys all \"old\" (one revision)", snaps[0].Entries.Len(), values, n)
 	}
 	if pages < 2 {
 		t.Errorf("the read took %d pages; want several", pages+1)
@@ -186,8 +187,8 @@ func TestPagesWithinTheBudget(t *testing.T) {
 			t.Errorf("%s under %d keys: %v; want ErrOverLimits", tt.prefix, tt.lim.MaxKeys, err)
 		case tt.keys >= 0 && err != nil:
 			t.Fatalf("%s: %v", tt.prefix, err)
-		case tt.keys >= 0 && (len(entries) != tt.keys || len(oversized) != 0):
-			t.Errorf("%s: %d entries, %d oversized; want %d entries", tt.prefix, len(entries), len(oversized), tt.keys)
+		case tt.keys >= 0 && (entries.Len() != tt.keys || len(oversized) != 0):
+			t.Errorf("%s: %d entries, %d oversized; want %d entries", tt.prefix, entries.Len(), len(oversized), tt.keys)
 		}
 		if got := fmt.Sprint(pages); got != tt.pages {
 			t.Errorf("%s under %d keys: pages of %s keys read; want %s", tt.prefix, tt.lim.MaxKeys, got, tt.pages)
@@ -325,10 +326,12 @@ func TestDecode(t *testing.T) {
 }
 
 // TestAddPacked: a page's entries come out keyed relative to the prefix,
-// each value its own bytes, and appending to one value never changes its
-// neighbour in the shared buffer.
+// in the set's order after those added before, each value its own bytes
+// in the page's one chunk, and appending to one value never changes its
+// neighbour there.
 func TestAddPacked(t *testing.T) {
-	entries := map[string][]byte{"old": []byte("kept")}
+	entries := kvset.NewBuilder(0)
+	entries.Add("0old", []byte("kept"))
 	var oversized map[string]int64
 	kept := addPacked(entries, &oversized, "/app/", []*mvccpb.KeyValue{
 		{Key: []byte("/app/a"), Value: []byte("1")},
@@ -339,19 +342,20 @@ func TestAddPacked(t *testing.T) {
 	if kept != 4 || len(oversized) != 1 || oversized["big"] != 5 {
 		t.Errorf("kept %d bytes, oversized %v; want 4 bytes and big (5 bytes) left out", kept, oversized)
 	}
-	want := map[string]string{"old": "kept", "a": "1", "b/c": "", "d": "333"}
-	if len(entries) != len(want) {
-		t.Fatalf("entries %q; want %q", entries, want)
+	set := entries.Set()
+	want := map[string]string{"0old": "kept", "a": "1", "b/c": "", "d": "333"}
+	if set.Len() != len(want) {
+		t.Fatalf("entries %q; want %q", set.Map(), want)
 	}
 	for k, v := range want {
-		if got, ok := entries[k]; !ok || string(got) != v {
+		if got, ok := set.Get(k); !ok || string(got) != v {
 			t.Errorf("entries[%q] = %q, %v; want %q", k, got, ok, v)
 		}
 	}
-	_ = append(entries["a"], 'X')
-	_ = append(entries["b/c"], 'Y')
-	if string(entries["d"]) != "333" || string(entries["a"]) != "1" {
-		t.Errorf("an append to one value changed another: a=%q d=%q", entries["a"], entries["d"])
+	_ = append(set.ValueOf("a"), 'X')
+	_ = append(set.ValueOf("b/c"), 'Y')
+	if string(set.ValueOf("d")) != "333" || string(set.ValueOf("a")) != "1" {
+		t.Errorf("an append to one value changed another: a=%q d=%q", set.ValueOf("a"), set.ValueOf("d"))
 	}
 }
 

@@ -1,7 +1,6 @@
 package etcd
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"maps"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/cenkalti/backoff/v4"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -63,10 +63,11 @@ type member struct {
 	prefix string
 	pub    source.Publisher
 	log    *slog.Logger
-	// last is the snapshot last published, nil before the first, and
-	// lastOversized its keys whose values were not kept.
-	last          map[string][]byte
+	// last is the snapshot last published (published is false before
+	// the first), and lastOversized its keys whose values were not kept.
+	last          kvset.Set
 	lastOversized map[string]int64
+	published     bool
 	// The fields below belong to the loop of the member's group.
 	//
 	// floor is the revision of the member's last read: an event at or
@@ -99,19 +100,19 @@ func (m *member) status(err error) {
 }
 
 // deliver publishes entries and oversized at rev, unless m is gone.
-func (m *member) deliver(entries map[string][]byte, oversized map[string]int64, rev int64) {
-	m.last, m.lastOversized = entries, oversized
+func (m *member) deliver(entries kvset.Set, oversized map[string]int64, rev int64) {
+	m.last, m.lastOversized, m.published = entries, oversized, true
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if !m.gone {
-		m.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: len(entries)+len(oversized) == 0, Entries: entries, Oversized: oversized})
+		m.pub.Publish(source.Snapshot{Revision: strconv.FormatInt(rev, 10), Missing: entries.Len()+len(oversized) == 0, Entries: entries, Oversized: oversized})
 	}
 }
 
 // publish delivers entries and oversized at rev unless they equal the
 // last snapshot, in which case it only reports the prefix current.
-func (m *member) publish(entries map[string][]byte, oversized map[string]int64, rev int64) {
-	if m.last != nil && maps.EqualFunc(entries, m.last, bytes.Equal) && maps.Equal(oversized, m.lastOversized) {
+func (m *member) publish(entries kvset.Set, oversized map[string]int64, rev int64) {
+	if m.published && kvset.Equal(entries, m.last) && maps.Equal(oversized, m.lastOversized) {
 		m.status(nil)
 		return
 	}

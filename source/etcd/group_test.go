@@ -182,7 +182,7 @@ func TestJoinAndLeaveARunningGroup(t *testing.T) {
 	snaps, _ := joined.State()
 	prev := 0
 	for _, s := range snaps {
-		n, _ := strconv.Atoi(string(s.Entries["n"]))
+		n, _ := strconv.Atoi(string(s.Entries.ValueOf("n")))
 		if n < prev {
 			t.Fatalf("the joined prefix went back from %d to %d", prev, n)
 		}
@@ -356,7 +356,7 @@ func TestCacheAttachesWatchedPrefixes(t *testing.T) {
 	}
 	value := func(f *source.Feed) string {
 		if st := f.State(); st.Snapshot != nil {
-			return string(st.Snapshot.Entries["k"])
+			return string(st.Snapshot.Entries.ValueOf("k"))
 		}
 		return ""
 	}

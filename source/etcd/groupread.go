@@ -12,6 +12,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/source"
 )
 
@@ -28,7 +29,7 @@ const concurrentReads = 16
 // memberRead is what a read of a member's prefix returned.
 type memberRead struct {
 	m         *member
-	entries   map[string][]byte
+	entries   kvset.Set
 	oversized map[string]int64
 	header    *etcdserverpb.ResponseHeader
 }

@@ -383,7 +383,7 @@ func (s *Source) route(g *group, resp clientv3.WatchResponse) {
 		if !changed {
 			continue
 		}
-		if err := lim.Check(len(next)+len(nextOversized), valueBytes(next)); err != nil {
+		if err := lim.Check(next.Len()+len(nextOversized), next.ValueBytes()); err != nil {
 			s.hold(m, fmt.Errorf("source/etcd: %s: %w", m.prefix, err))
 			continue
 		}

@@ -10,6 +10,8 @@ import (
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvmount/kvmount/kvset"
 )
 
 // Reading many members in one range. A group of a thousand members read
@@ -97,7 +99,7 @@ func maxEnd(a, b string) string {
 type spanState struct {
 	m         *member
 	end       string
-	entries   map[string][]byte
+	entries   *kvset.Builder
 	oversized map[string]int64
 	kept      int64
 	done      bool // emitted or held
@@ -120,7 +122,7 @@ func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*membe
 	start, end := span(ms[0].prefix)
 	budget := pageBudget
 	for i, m := range ms {
-		st := &spanState{m: m, end: rangeEnd(m.prefix), entries: map[string][]byte{}}
+		st := &spanState{m: m, end: rangeEnd(m.prefix), entries: &kvset.Builder{}}
 		states[i] = st
 		byPrefix[m.prefix] = append(byPrefix[m.prefix], st)
 		end = maxEnd(end, st.end)
@@ -187,7 +189,7 @@ func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*membe
 		for st, kvs := range page {
 			lim := st.m.pub.Limits()
 			st.kept += addPacked(st.entries, &st.oversized, st.m.prefix, kvs, lim)
-			if err := lim.Check(len(st.entries)+len(st.oversized), st.kept); err != nil {
+			if err := lim.Check(st.entries.Len()+len(st.oversized), st.kept); err != nil {
 				s.hold(st.m, fmt.Errorf("source/etcd: %s: %w", st.m.prefix, err))
 				st.done, st.entries, st.oversized = true, nil, nil
 			}
@@ -201,7 +203,7 @@ func (s *Source) readSpan(ctx context.Context, cli *clientv3.Client, ms []*membe
 		for _, st := range states {
 			if !st.done && (!more || !inRange(last, st.end)) {
 				st.done = true
-				emit(memberRead{m: st.m, entries: st.entries, oversized: st.oversized, header: header})
+				emit(memberRead{m: st.m, entries: st.entries.Set(), oversized: st.oversized, header: header})
 			}
 		}
 		if !more {

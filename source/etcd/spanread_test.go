@@ -110,7 +110,7 @@ func TestSpanReads(t *testing.T) {
 		case 40:
 			rec.WaitFor(t, prefix+", its value not kept", func(snaps []source.Snapshot, _ error) bool {
 				s := sourcetest.Last(snaps)
-				return s != nil && len(s.Entries) == 0 && s.Oversized["big"] == 25
+				return s != nil && s.Entries.Len() == 0 && s.Oversized["big"] == 25
 			})
 		case 50:
 			rec.WaitFor(t, prefix+", over its limits", sourcetest.Failing)
@@ -219,11 +219,11 @@ func TestSpanPagesAtOneRevision(t *testing.T) {
 		rec.WaitFor(t, prefixes[i]+", the writes made during the read", sourcetest.Holds(want))
 		snaps, _ := rec.State()
 		values := map[string]int{}
-		for _, v := range snaps[0].Entries {
+		for _, v := range snaps[0].Entries.All() {
 			values[string(v)]++
 		}
-		if len(snaps[0].Entries) != keys || values["old"] != keys {
-			t.Errorf("%s's first snapshot: %d keys, values %v; want %d keys all \"old\" (one revision)", prefixes[i], len(snaps[0].Entries), values, keys)
+		if snaps[0].Entries.Len() != keys || values["old"] != keys {
+			t.Errorf("%s's first snapshot: %d keys, values %v; want %d keys all \"old\" (one revision)", prefixes[i], snaps[0].Entries.Len(), values, keys)
 		}
 	}
 	if pagesAfter.Load() < 2 {

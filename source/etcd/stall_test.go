@@ -109,14 +109,14 @@ func TestFrozenMemberIsNoticed(t *testing.T) {
 	for deadline := time.Now().Add(sourcetest.Timeout); ; time.Sleep(20 * time.Millisecond) {
 		snaps, err := rec.State()
 		if n := last.Load(); n > 20 && err == nil && len(snaps) > 0 {
-			if v, _ := strconv.ParseInt(string(snaps[len(snaps)-1].Entries["a"]), 10, 64); v >= 20 {
+			if v, _ := strconv.ParseInt(string(snaps[len(snaps)-1].Entries.ValueOf("a")), 10, 64); v >= 20 {
 				t.Logf("resumed on another member %v after the freeze, at a=%d (%d writes so far)", time.Since(frozen).Round(10*time.Millisecond), v, n)
 				break
 			}
 		}
 		if time.Now().After(deadline) {
 			snaps, err := rec.State()
-			t.Fatalf("the watch never resumed: last snapshot %v, status %v, %d writes", fmt.Sprint(sourcetest.Last(snaps).Entries), err, last.Load())
+			t.Fatalf("the watch never resumed: last snapshot %v, status %v, %d writes", fmt.Sprint(sourcetest.Last(snaps).Entries.Map()), err, last.Load())
 		}
 	}
 	if watchMember(src, "/app/") == id {

@@ -42,7 +42,7 @@ func BenchmarkPollNotModified(b *testing.B) {
 	defer src.Close()
 	var v validators
 	doc1, v, err := src.fetch(context.Background(), &v)
-	if err != nil || doc1 == nil || len(doc1.entries) != 1000 {
+	if err != nil || doc1 == nil || doc1.entries.Len() != 1000 {
 		b.Fatalf("first fetch = %v, %v", doc1, err)
 	}
 	b.ReportAllocs()

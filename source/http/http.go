@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -26,6 +25,7 @@ import (
 	"time"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/origin"
 	"github.com/kvmount/kvmount/source"
 )
@@ -157,7 +157,7 @@ var _ source.Source = (*Source)(nil)
 type document struct {
 	revision string
 	missing  bool // 404
-	entries  map[string][]byte
+	entries  kvset.Set
 }
 
 // New returns a Source for cfg. It sends nothing until the first Follow.
@@ -193,7 +193,8 @@ func (s *Source) Close() error {
 func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher) error {
 	f := s.fanout.Join(prefix)
 	defer s.fanout.Leave(f)
-	var last map[string][]byte
+	var last kvset.Set
+	published := false
 	var lastDoc *document
 	var lastErr error
 	for {
@@ -202,10 +203,10 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		s.mu.Unlock()
 		if doc != nil && doc != lastDoc {
 			lastDoc = doc
-			entries := under(doc.entries, prefix)
-			if last == nil || !maps.EqualFunc(entries, last, bytes.Equal) {
-				last = entries
-				pub.Publish(source.Snapshot{Revision: doc.revision, Missing: doc.missing || len(entries) == 0, Entries: entries})
+			entries := doc.entries.Under(prefix)
+			if !published || !kvset.Equal(entries, last) {
+				last, published = entries, true
+				pub.Publish(source.Snapshot{Revision: doc.revision, Missing: doc.missing || entries.Len() == 0, Entries: entries})
 				lastErr = nil
 			}
 		}
@@ -219,17 +220,6 @@ func (s *Source) Follow(ctx context.Context, prefix string, pub source.Publisher
 		case <-f.Wake:
 		}
 	}
-}
-
-// under returns the entries whose keys start with prefix, relative to it.
-func under(entries map[string][]byte, prefix string) map[string][]byte {
-	out := map[string][]byte{}
-	for k, v := range entries {
-		if rel, ok := strings.CutPrefix(k, prefix); ok {
-			out[rel] = v
-		}
-	}
-	return out
 }
 
 // set records a poll's outcome and wakes every follower.
@@ -333,7 +323,7 @@ func (s *Source) fetch(ctx context.Context, v *validators) (*document, validator
 		return nil, next, nil
 	case resp.StatusCode == http.StatusOK:
 	case resp.StatusCode == http.StatusNotFound:
-		return &document{revision: "404", missing: true, entries: map[string][]byte{}}, validators{}, nil
+		return &document{revision: "404", missing: true}, validators{}, nil
 	case resp.StatusCode == http.StatusTooManyRequests || resp.StatusCode == http.StatusServiceUnavailable:
 		if wait, ok := retryAfter(resp.Header.Get("Retry-After"), time.Now()); ok {
 			return nil, *v, &retryAfterError{status: resp.StatusCode, wait: wait}
@@ -358,7 +348,7 @@ func (s *Source) fetch(ctx context.Context, v *validators) (*document, validator
 		sum := sha256.Sum256(body)
 		revision = "sha256:" + hex.EncodeToString(sum[:8])
 	}
-	return &document{revision: revision, entries: entries}, next, nil
+	return &document{revision: revision, entries: kvset.FromMap(entries)}, next, nil
 }
 
 // parse turns a body into entries by the source's format.

@@ -182,8 +182,8 @@ func TestFailuresKeepContent(t *testing.T) {
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("error %v; want %q", err, tt.want)
 			}
-			if string(last.Entries["a"]) != "1" {
-				t.Errorf("content changed on failure: %v", last.Entries)
+			if string(last.Entries.ValueOf("a")) != "1" {
+				t.Errorf("content changed on failure: %v", last.Entries.Map())
 			}
 			srv.mu.Lock()
 			srv.fail = nil

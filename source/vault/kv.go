@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 	"github.com/kvmount/kvmount/source"
 )
@@ -312,7 +313,7 @@ func (f *pathFollow) publishKV(eng engine, rel string, folder bool, unreadable [
 	f.pub.Publish(source.Snapshot{
 		Revision:  revisionOf(eng, f.known, fingerprint),
 		Missing:   len(f.known) == 0 && len(unreadable) == 0,
-		Entries:   entries,
+		Entries:   kvset.FromMap(entries),
 		Oversized: oversized,
 		Secrets:   secrets,
 	})

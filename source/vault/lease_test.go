@@ -49,7 +49,7 @@ func TestLeaseRenewedAndReadAgain(t *testing.T) {
 	src, logs := tokenSource(t, srv, "")
 	rec, stop := sourcetest.FollowStoppable(t, src, "consul/creds/app", source.Limits{})
 	rec.WaitFor(t, "the credentials", func(snaps []source.Snapshot, _ error) bool {
-		return len(snaps) > 0 && len(snaps[0].Entries["token"]) > 0
+		return len(snaps) > 0 && len(snaps[0].Entries.ValueOf("token")) > 0
 	})
 	first := mustSnaps(rec)[0]
 	lease := first.Secrets["consul/creds/app"]
@@ -71,10 +71,10 @@ func TestLeaseRenewedAndReadAgain(t *testing.T) {
 	// Read again before the maximum TTL: new credentials, while the first
 	// ones still work.
 	rec.WaitFor(t, "new credentials", func(snaps []source.Snapshot, _ error) bool {
-		return len(snaps) > 1 && string(snaps[len(snaps)-1].Entries["accessor"]) != string(first.Entries["accessor"])
+		return len(snaps) > 1 && string(snaps[len(snaps)-1].Entries.ValueOf("accessor")) != string(first.Entries.ValueOf("accessor"))
 	})
 	second := sourcetest.Last(mustSnaps(rec))
-	if _, _, err := consul.ACL().TokenRead(string(first.Entries["accessor"]), nil); err != nil {
+	if _, _, err := consul.ACL().TokenRead(string(first.Entries.ValueOf("accessor")), nil); err != nil {
 		t.Errorf("the first credentials were gone before their lease's end: %v", err)
 	}
 	if logs.Count("reading a leased secret again", "path=consul/creds/app") == 0 {
@@ -85,7 +85,7 @@ func TestLeaseRenewedAndReadAgain(t *testing.T) {
 	if _, err := srv.Client(t).Sys().Lookup(second.Secrets["consul/creds/app"].LeaseID); err == nil {
 		t.Error("the lease outlived the release")
 	}
-	if tok, _, err := consul.ACL().TokenRead(string(second.Entries["accessor"]), nil); err == nil && tok != nil {
+	if tok, _, err := consul.ACL().TokenRead(string(second.Entries.ValueOf("accessor")), nil); err == nil && tok != nil {
 		t.Error("the Consul token outlived the release")
 	}
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/hashicorp/vault/api"
 
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 	"github.com/kvmount/kvmount/source"
 )
@@ -289,7 +290,7 @@ func (f *pathFollow) publishOther(secret *api.Secret, data map[string]any) {
 	if len(oversized) == 0 {
 		oversized = nil
 	}
-	f.pub.Publish(source.Snapshot{Revision: fingerprint, Missing: secret == nil, Entries: entries, Oversized: oversized, Secrets: secrets})
+	f.pub.Publish(source.Snapshot{Revision: fingerprint, Missing: secret == nil, Entries: kvset.FromMap(entries), Oversized: oversized, Secrets: secrets})
 }
 
 // fingerprintOf returns a short digest of a snapshot's entries, oversized

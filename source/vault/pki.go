@@ -14,6 +14,7 @@ import (
 	"github.com/hashicorp/vault/api"
 
 	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/kvset"
 	"github.com/kvmount/kvmount/render"
 	"github.com/kvmount/kvmount/source"
 )
@@ -277,7 +278,7 @@ func (s *Source) issue(ctx context.Context, req pkiRequest, pub source.Publisher
 	}
 	snap := source.Snapshot{
 		Revision: "serial:" + serialOf(secret),
-		Entries:  entries,
+		Entries:  kvset.FromMap(entries),
 	}
 	tmpl := render.NewSecret(secret.LeaseID, secret.LeaseDuration, secret.Renewable, secret.Data, req.params())
 	tmpl.Warnings = secret.Warnings

@@ -29,7 +29,7 @@ func enablePKI(t *testing.T, srv *vaulttest.Server, lease bool) {
 // CA files hold certificates; it returns the certificate.
 func checkPair(t *testing.T, s source.Snapshot, cn, alt string) *x509.Certificate {
 	t.Helper()
-	pair, err := tls.X509KeyPair(s.Entries[FileCertificate], s.Entries[FilePrivateKey])
+	pair, err := tls.X509KeyPair(s.Entries.ValueOf(FileCertificate), s.Entries.ValueOf(FilePrivateKey))
 	if err != nil {
 		t.Fatalf("snapshot %s: the certificate and key do not match: %v", s.Revision, err)
 	}
@@ -43,7 +43,7 @@ func checkPair(t *testing.T, s source.Snapshot, cn, alt string) *x509.Certificat
 		t.Errorf("certificate of %s, %v; want %s and %s", cert.Subject.CommonName, cert.DNSNames, cn, alt)
 	}
 	for _, name := range []string{FileIssuingCA, FileCAChain} {
-		if _, err := parseCertificate(s.Entries[name]); err != nil {
+		if _, err := parseCertificate(s.Entries.ValueOf(name)); err != nil {
 			t.Errorf("%s: %v", name, err)
 		}
 	}
@@ -76,7 +76,7 @@ func TestPKI(t *testing.T) {
 		last = cert
 	}
 	s := snaps[0].Secrets["pki/issue/web"]
-	if s == nil || s.Data["certificate"] != string(snaps[0].Entries[FileCertificate]) {
+	if s == nil || s.Data["certificate"] != string(snaps[0].Entries.ValueOf(FileCertificate)) {
 		t.Fatalf("templates do not read the issue by its role: %v", snaps[0].Secrets)
 	}
 	if logs.Count("issued a certificate", "role=pki/issue/web") < 3 {
