@@ -57,8 +57,8 @@ const restDropEvery = time.Minute
 // before a collection, the more pages a burst spreads them over.
 // Measured at 1,000 mounts of 100 keys (BENCHMARKS.md, "The monitor's
 // collector target"), the monitor's anonymous memory at rest after the
-// cold start: 22.7–24.5 MiB at 100, 18.6–19.5 at 25 (eight runs and
-// four); after every mount changed once 28.8–29.8 and 18.8–21.3. With
+// cold start: 22.7–24.5 MiB at 100, 18.6–19.5 at 25 (four runs and
+// eight); after every mount changed once 28.8–29.8 and 18.8–21.3. With
 // both processes at the setting (a sweep, two runs each): 22.5–24.2 at
 // 100, 21.1–23.2 at 50, 18.7–18.8 at 25, 17.8–17.9 at 10, where a
 // restart cost the two processes 0.77–0.83 s of CPU against 0.43–0.45 at
