@@ -336,12 +336,14 @@ func (d *daemon) reloadSplit(ctx context.Context, cfg *config.Config, rec *confi
 // nil after a clean stop: running operations finish, no write is left half
 // done.
 func Run(ctx context.Context, opts Options) error {
-	defer setMonitorGCPercent(os.Getenv)()
 	svc := &service{notify: opts.Notify}
 	d, err := load(opts, svc, svc)
 	if err != nil {
 		return err
 	}
+	// After the configuration's load, whose garbage at a small heap
+	// would be collected a dozen times (monitorGCPercent).
+	defer setMonitorGCPercent(os.Getenv)()
 	d.service = svc
 	d.log.Info("kvmount started", "config", opts.ConfigPath, "mounts", len(d.cfg.Mounts), "sources", len(d.cfg.Sources), "admin", d.cfg.Admin, "admin_socket", d.cfg.AdminSocket)
 	g, gctx := errgroup.WithContext(ctx)
