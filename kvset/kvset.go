@@ -8,16 +8,21 @@
 // an allocation of its own or keeps alive the buffer it was read into. A
 // Set keeps its keys one after the other in one string, with the end of
 // each (4 bytes a key), and its values in chunks, each value found by its
-// chunk, offset and length (12 bytes a key). A set made from another by
-// changing some values (With) shares the other's chunks and adds one of
-// the new values; chunks are merged when they grow many or hold more
-// bytes no value uses than values (compaction), so that a set holds at
-// most about twice its values' bytes, and a change copies the bytes of
-// the values it changes, amortized, not the whole set. Measured at 1,000
-// prefixes of 100 keys of 75 bytes: 10.7 MB as sets against 14.5 MB as
-// the etcd source's maps held them (TestSetHoldsLess), and the worker at
-// rest 20.3–20.7 MiB against 23.6–23.8 (BENCHMARKS.md, "The monitor's
-// collector target, and the worker's snapshots as sorted sets").
+// chunk, offset and length (12 bytes a key) — or, when its values sit in
+// key order one after the other in one chunk, as a read makes them
+// (Builder.Set), a prefix's part of such a set is (Under) and a
+// compaction into one chunk leaves them, by the end of each (4 bytes a
+// key: the packed form). A set made from another by changing some values
+// (With) shares the other's chunks and adds one of the new values;
+// chunks are merged when they grow many or hold more bytes no value uses
+// than values (compaction), so that a set holds at most about twice its
+// values' bytes, and a change copies the bytes of the values it changes,
+// amortized, not the whole set. Measured at 1,000 prefixes of 100 keys of
+// 75 bytes: 9.9 MB as packed sets, 10.7 MB with a ref for every value,
+// against 14.5 MB as the etcd source's maps held them (TestSetHoldsLess);
+// the worker at rest 20.3–20.7 MiB as sets with refs against 23.6–23.8
+// as maps (BENCHMARKS.md, "The monitor's collector target, and the
+// worker's snapshots as sorted sets").
 package kvset
 
 import (
@@ -38,9 +43,13 @@ type Set struct {
 	// where key i ends in it (it starts where key i-1 ends).
 	keys string
 	ends []uint32
-	// refs[i] is where the value of key i is in chunks. No chunk is ever
+	// refs[i] is where the value of key i is in chunks. When refs is nil
+	// the set is packed: value i is chunks[0][start:vends[i]], where start
+	// is vends[i-1], or vstart for the first (ref). No chunk is ever
 	// written once a set refers to it.
 	refs   []ref
+	vends  []uint32
+	vstart uint32
 	chunks [][]byte
 }
 
@@ -55,6 +64,63 @@ var empty = []byte{}
 // Len returns the number of entries.
 func (s Set) Len() int { return len(s.ends) }
 
+// ref returns where the value of entry i is.
+func (s Set) ref(i int) ref {
+	if s.refs != nil {
+		return s.refs[i]
+	}
+	start := s.vstart
+	if i > 0 {
+		start = s.vends[i-1]
+	}
+	if s.vends[i] == start {
+		return ref{}
+	}
+	return ref{off: start, n: s.vends[i] - start}
+}
+
+// ownRefs returns every entry's ref in a slice of the caller's own.
+func (s Set) ownRefs() []ref {
+	if s.refs != nil {
+		return slices.Clone(s.refs)
+	}
+	refs, start := make([]ref, len(s.ends)), s.vstart
+	for i, end := range s.vends {
+		if end > start {
+			refs[i] = ref{off: start, n: end - start}
+		}
+		start = end
+	}
+	return refs
+}
+
+// packed returns s in the packed form when its values sit in key order
+// one after the other in its one chunk, else s as it is.
+func (s Set) packed() Set {
+	if s.refs == nil || len(s.chunks) > 1 {
+		return s
+	}
+	start := uint32(0)
+	for _, r := range s.refs {
+		if r.n > 0 {
+			start = r.off
+			break
+		}
+	}
+	vends, end := make([]uint32, len(s.refs)), start
+	for i, r := range s.refs {
+		if r.n > 0 {
+			if r.off != end {
+				return s
+			}
+			end += r.n
+		}
+		vends[i] = end
+	}
+	s.refs, s.vends, s.vstart = nil, vends, start
+	return s
+}
+
 // Key returns the key of entry i (0 ≤ i < Len), in byte order.
 func (s Set) Key(i int) string {
 	start := uint32(0)
@@ -68,7 +134,7 @@ func (s Set) Key(i int) string {
 // so that an append cannot reach its neighbours. The caller must not
 // change its bytes.
 func (s Set) Value(i int) []byte {
-	r := s.refs[i]
+	r := s.ref(i)
 	if r.n == 0 {
 		return empty[:0:0]
 	}
@@ -130,6 +196,12 @@ func (s Set) Keys() iter.Seq[string] {
 
 // ValueBytes returns the bytes of every value together.
 func (s Set) ValueBytes() int64 {
+	if s.refs == nil {
+		if len(s.vends) == 0 {
+			return 0
+		}
+		return int64(s.vends[len(s.vends)-1] - s.vstart)
+	}
 	var n int64
 	for _, r := range s.refs {
 		n += int64(r.n)
@@ -161,7 +233,7 @@ func Equal(a, b Set) bool {
 	if a.Len() != b.Len() || a.keys != b.keys || !slices.Equal(a.ends, b.ends) {
 		return false
 	}
-	for i := range a.refs {
+	for i := range a.ends {
 		if !bytes.Equal(a.Value(i), b.Value(i)) {
 			return false
 		}
@@ -296,7 +368,8 @@ func (b *Builder) addValue(v []byte) {
 
 // Set returns the set of the entries added and empties the builder. Its
 // arrays are made at their exact size; a chunk's room that no value took
-// is given back.
+// is given back. Values added in key order into one chunk (Grow) make a
+// packed set.
 func (b *Builder) Set() Set {
 	defer func() { *b = Builder{} }()
 	if len(b.ends) == 0 {
@@ -305,9 +378,12 @@ func (b *Builder) Set() Set {
 	if len(b.chunks) > 0 {
 		b.chunks[len(b.chunks)-1] = exact(b.cur)
 	}
-	s := Set{keys: string(b.keys), ends: exact(b.ends), refs: exact(b.refs), chunks: exact(b.chunks)}
+	s := Set{keys: string(b.keys), ends: exact(b.ends), refs: b.refs, chunks: exact(b.chunks)}
 	if !b.sorted {
 		s = s.sorted()
+	}
+	if s = s.packed(); s.refs != nil {
+		s.refs = exact(s.refs)
 	}
 	return s
 }
@@ -322,7 +398,7 @@ func (s Set) sorted() Set {
 	}
 	all := make([]entry, len(s.ends))
 	for i := range s.ends {
-		all[i] = entry{s.Key(i), s.refs[i]}
+		all[i] = entry{s.Key(i), s.ref(i)}
 	}
 	slices.SortStableFunc(all, func(x, y entry) int { return cmp.Compare(x.key, y.key) })
 	n := 0
@@ -415,7 +491,7 @@ func (s Set) With(changes []Change) (Set, bool) {
 	}
 	var next Set
 	if sameKeys {
-		next = Set{keys: s.keys, ends: s.ends, refs: slices.Clone(s.refs)}
+		next = Set{keys: s.keys, ends: s.ends, refs: s.ownRefs()}
 		for _, c := range last {
 			i, _ := s.find(c.Key)
 			next.refs[i] = newRef(c.Value)
@@ -435,7 +511,7 @@ func (s Set) With(changes []Change) (Set, bool) {
 		i := 0
 		for _, c := range last {
 			for ; i < s.Len() && s.Key(i) < c.Key; i++ {
-				put(s.Key(i), s.refs[i])
+				put(s.Key(i), s.ref(i))
 			}
 			if i < s.Len() && s.Key(i) == c.Key {
 				i++
@@ -445,7 +521,7 @@ func (s Set) With(changes []Change) (Set, bool) {
 			}
 		}
 		for ; i < s.Len(); i++ {
-			put(s.Key(i), s.refs[i])
+			put(s.Key(i), s.ref(i))
 		}
 		next.keys, next.ends, next.refs = string(keys), exact(next.ends), exact(next.refs)
 	}
@@ -468,6 +544,11 @@ const maxChunks = 8
 // about twice its values' bytes, in few chunks, and the copies cost, over
 // many changes, about the bytes the changes brought.
 func (s Set) compacted() Set {
+	if s.refs == nil {
+		// Packed: its values fill its one chunk, or a part of one it
+		// shares (Under).
+		return s
+	}
 	held, live := s.heldBytes(), s.ValueBytes()
 	switch {
 	case held > 2*live+minChunk:
@@ -482,7 +563,7 @@ func (s Set) compacted() Set {
 		return s.merged(func(i int) bool { return i != largest })
 	}
 	// Chunks no value refers to any longer are dropped.
-	used := s.used()
+	used := usedChunks(len(s.chunks), s.refs)
 	if !slices.Contains(used, false) {
 		return s
 	}
@@ -493,8 +574,9 @@ func (s Set) compacted() Set {
 // copied into one new chunk, and the chunks no value refers to then
 // dropped.
 func (s Set) merged(merge func(chunk int) bool) Set {
+	refs := s.ownRefs()
 	size := 0
-	for _, r := range s.refs {
+	for _, r := range refs {
 		if r.n > 0 && merge(int(r.chunk)) {
 			size += int(r.n)
 		}
@@ -502,32 +584,31 @@ func (s Set) merged(merge func(chunk int) bool) Set {
 	// Chunks kept as they are, renumbered, then the new one.
 	renumber := make([]uint32, len(s.chunks))
 	var chunks [][]byte
-	used := s.used()
+	used := usedChunks(len(s.chunks), refs)
 	for i, c := range s.chunks {
 		if used[i] && !merge(i) {
 			renumber[i] = uint32(len(chunks))
 			chunks = append(chunks, c)
 		}
 	}
-	refs := slices.Clone(s.refs)
-	if size > 0 {
-		chunk := make([]byte, 0, size)
-		at := uint32(len(chunks))
-		for i, r := range s.refs {
-			if r.n > 0 && merge(int(r.chunk)) {
-				off := len(chunk)
-				chunk = append(chunk, s.Value(i)...)
-				refs[i] = ref{chunk: at, off: uint32(off), n: r.n}
-			}
-		}
-		chunks = append(chunks, chunk)
-	}
-	for i, r := range s.refs {
-		if r.n > 0 && !merge(int(r.chunk)) {
+	// One pass over the refs: a merged chunk's values copied into the
+	// new one, the others' chunks renumbered.
+	chunk, at := make([]byte, 0, size), uint32(len(chunks))
+	for i, r := range refs {
+		switch {
+		case r.n == 0:
+		case merge(int(r.chunk)):
+			off := len(chunk)
+			chunk = append(chunk, s.Value(i)...)
+			refs[i] = ref{chunk: at, off: uint32(off), n: r.n}
+		default:
 			refs[i].chunk = renumber[r.chunk]
 		}
 	}
-	return Set{keys: s.keys, ends: s.ends, refs: refs, chunks: exact(chunks)}
+	if size > 0 {
+		chunks = append(chunks, chunk)
+	}
+	return Set{keys: s.keys, ends: s.ends, refs: refs, chunks: exact(chunks)}.packed()
 }
 
 // Under returns the entries whose keys begin with prefix, their keys
@@ -545,7 +626,16 @@ func (s Set) Under(prefix string) Set {
 		return Set{}
 	}
 	keys := make([]byte, 0, size)
-	out := Set{ends: make([]uint32, to-from), refs: slices.Clone(s.refs[from:to]), chunks: s.chunks}
+	out := Set{ends: make([]uint32, to-from), chunks: s.chunks}
+	if s.refs != nil {
+		out.refs = slices.Clone(s.refs[from:to])
+	} else {
+		// Packed, as s is: its values are the run of s's from from to to.
+		out.vends, out.vstart = s.vends[from:to:to], s.vstart
+		if from > 0 {
+			out.vstart = s.vends[from-1]
+		}
+	}
 	for i := from; i < to; i++ {
 		keys = append(keys, s.Key(i)[len(prefix):]...)
 		out.ends[i-from] = uint32(len(keys))
@@ -554,10 +644,11 @@ func (s Set) Under(prefix string) Set {
 	return out
 }
 
-// used reports, for each chunk, whether a value refers to it.
-func (s Set) used() []bool {
-	used := make([]bool, len(s.chunks))
-	for _, r := range s.refs {
+// usedChunks reports, for each of n chunks, whether one of refs refers
+// to it.
+func usedChunks(n int, refs []ref) []bool {
+	used := make([]bool, n)
+	for _, r := range refs {
 		if r.n > 0 {
 			used[r.chunk] = true
 		}
@@ -580,12 +671,14 @@ func (s Set) Filter(keep func(key string, value []byte) bool) (Set, bool) {
 				b.keys = append(b.keys, s.Key(j)...)
 				b.endKey(len(s.Key(j)))
 			}
-			kept = append(kept, s.refs[:i]...)
+			for j := range i {
+				kept = append(kept, s.ref(j))
+			}
 		}
 		if ok && b != nil {
 			b.keys = append(b.keys, k...)
 			b.endKey(len(k))
-			kept = append(kept, s.refs[i])
+			kept = append(kept, s.ref(i))
 		}
 	}
 	if b == nil {

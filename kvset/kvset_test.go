@@ -173,7 +173,8 @@ func TestFromMapAndMap(t *testing.T) {
 // hold as sets, beside the same entries in maps laid out as the etcd
 // source kept them before sets (each prefix's keys in one string and its
 // values in one buffer, a map of them): it fails unless the sets hold at
-// least a quarter less.
+// least 30 % less (read in key order they are packed: 68 % of the maps;
+// with a ref for every value they were 74 %).
 func TestSetHoldsLess(t *testing.T) {
 	const prefixes, keys = 1000, 100
 	value := bytes.Repeat([]byte("v"), 75)
@@ -216,8 +217,8 @@ func TestSetHoldsLess(t *testing.T) {
 	setBytes := heap() - before
 	runtime.KeepAlive(sets)
 	t.Logf("%d prefixes of %d keys of %d bytes: maps %d bytes, sets %d bytes", prefixes, keys, len(value), mapBytes, setBytes)
-	if setBytes > mapBytes*3/4 {
-		t.Errorf("the sets hold %d bytes, more than three quarters of the maps' %d", setBytes, mapBytes)
+	if setBytes > mapBytes*7/10 {
+		t.Errorf("the sets hold %d bytes, more than 70 %% of the maps' %d", setBytes, mapBytes)
 	}
 }
 
@@ -243,6 +244,19 @@ func BenchmarkWith(b *testing.B) {
 // bytes held than twice the values' and a chunk of slack.
 func check(t *testing.T, s Set, model map[string][]byte, step string) {
 	t.Helper()
+	checkEntries(t, s, model, step)
+	if len(s.chunks) > maxChunks+1 {
+		t.Fatalf("%s: %d chunks, more than %d", step, len(s.chunks), maxChunks+1)
+	}
+	if held, live := s.heldBytes(), s.ValueBytes(); held > 2*live+2*minChunk {
+		t.Fatalf("%s: %d bytes held for %d bytes of values", step, held, live)
+	}
+}
+
+// checkEntries checks that s holds model's entries, in order, in one of
+// its two forms.
+func checkEntries(t *testing.T, s Set, model map[string][]byte, step string) {
+	t.Helper()
 	if !maps.EqualFunc(s.Map(), model, bytes.Equal) || s.Len() != len(model) {
 		t.Fatalf("%s: the set holds %q, want %q", step, entriesOf(s), FromMap(model).Map())
 	}
@@ -254,11 +268,41 @@ func check(t *testing.T, s Set, model map[string][]byte, step string) {
 			t.Fatalf("%s: Get(%q) = %q, %v; want %q", step, k, got, ok, v)
 		}
 	}
-	if len(s.chunks) > maxChunks+1 {
-		t.Fatalf("%s: %d chunks, more than %d", step, len(s.chunks), maxChunks+1)
+	checkForm(t, s, step)
+	var live int64
+	for _, v := range model {
+		live += int64(len(v))
 	}
-	if held, live := s.heldBytes(), s.ValueBytes(); held > 2*live+2*minChunk {
-		t.Fatalf("%s: %d bytes held for %d bytes of values", step, held, live)
+	if got := s.ValueBytes(); got != live {
+		t.Fatalf("%s: ValueBytes() = %d, want %d", step, got, live)
+	}
+}
+
+// checkForm checks that s is in one of its two forms: refs for every
+// entry, or packed — the ends of its values, in order, within its one
+// chunk.
+func checkForm(t *testing.T, s Set, step string) {
+	t.Helper()
+	switch {
+	case s.Len() == 0:
+	case s.refs != nil:
+		if len(s.refs) != s.Len() || s.vends != nil {
+			t.Fatalf("%s: %d refs and %d value ends for %d entries", step, len(s.refs), len(s.vends), s.Len())
+		}
+	default:
+		if len(s.vends) != s.Len() || len(s.chunks) > 1 {
+			t.Fatalf("%s: packed with %d value ends for %d entries in %d chunks", step, len(s.vends), s.Len(), len(s.chunks))
+		}
+		end := s.vstart
+		for i, e := range s.vends {
+			if e < end {
+				t.Fatalf("%s: value %d ends at %d, before %d", step, i, e, end)
+			}
+			end = e
+		}
+		if end > s.vstart && (len(s.chunks) == 0 || int(end) > len(s.chunks[0])) {
+			t.Fatalf("%s: the values end at %d, past their chunk", step, end)
+		}
 	}
 }
 
@@ -296,6 +340,23 @@ func FuzzWith(f *testing.F) {
 				check(t, next, model, "with")
 				check(t, s, before.Map(), "the set before")
 				s, batch = next, nil
+				// Its part under a prefix, shared, in either form.
+				under := map[string][]byte{}
+				for k, v := range model {
+					if rel, ok := strings.CutPrefix(k, "k1"); ok {
+						under[rel] = v
+					}
+				}
+				checkEntries(t, s.Under("k1"), under, "under")
+				if arg%5 == 1 {
+					// Every value copied into one chunk, in key order:
+					// the packed form, which the next steps start from.
+					s = s.merged(func(int) bool { return true })
+					if s.Len() > 0 && s.refs != nil {
+						t.Fatalf("a set merged into one chunk is not packed")
+					}
+					check(t, s, model, "merged")
+				}
 				if arg%4 == 0 {
 					s, _ = s.Filter(func(k string, v []byte) bool { return len(v)%3 != 0 })
 					maps.DeleteFunc(model, func(k string, v []byte) bool { return len(v)%3 == 0 })
@@ -359,5 +420,47 @@ func TestUnder(t *testing.T) {
 		if got.Len() > 0 && &got.chunks[0][0] != &s.chunks[0][0] {
 			t.Errorf("Under(%q) copied the values", tc.prefix)
 		}
+	}
+}
+
+// TestPackedForm follows a set through its two forms: packed as a read
+// makes it (values in key order in one chunk), its part under a prefix
+// packed and shared, refs once a change adds a chunk, packed again once
+// compacted into one.
+func TestPackedForm(t *testing.T) {
+	b := NewBuilder(4)
+	b.Grow(6)
+	for _, e := range [][2]string{{"a", ""}, {"b/x", "12"}, {"b/y", ""}, {"b/z", "3456"}} {
+		b.Add(e[0], []byte(e[1]))
+	}
+	s := b.Set()
+	if s.refs != nil || len(s.vends) != 4 {
+		t.Fatalf("a set read in key order into one chunk: refs %v, value ends %v; want it packed", s.refs, s.vends)
+	}
+	under := s.Under("b/")
+	if under.refs != nil || under.vstart != 0 || !slices.Equal(entriesOf(under), []string{"x=12", "y=", "z=3456"}) {
+		t.Fatalf("Under(b/) = %q (refs %v, from %d), want it packed", entriesOf(under), under.refs, under.vstart)
+	}
+	tail := s.Under("b/y")
+	if tail.refs != nil || tail.vstart != 2 || !slices.Equal(entriesOf(tail), []string{"="}) || tail.ValueBytes() != 0 {
+		t.Fatalf("Under(b/y) = %q from %d, %d bytes; want one empty value from 2", entriesOf(tail), tail.vstart, tail.ValueBytes())
+	}
+	if z := s.Under("b/z"); z.vstart != 2 || string(z.Value(0)) != "3456" {
+		t.Fatalf("Under(b/z) = %q from %d", entriesOf(z), z.vstart)
+	}
+	changed, _ := s.With([]Change{{Key: "b/y", Value: []byte("new")}})
+	if changed.refs == nil || !slices.Equal(entriesOf(changed), []string{"a=", "b/x=12", "b/y=new", "b/z=3456"}) {
+		t.Fatalf("after a change: %q, refs %v; want refs", entriesOf(changed), changed.refs)
+	}
+	if again := changed.merged(func(int) bool { return true }); again.refs != nil || !Equal(again, changed) {
+		t.Fatalf("compacted into one chunk: %q, refs %v; want it packed", entriesOf(again), again.refs)
+	}
+	// Out of order, or a key twice: the chunk's values are not in key
+	// order, so the set keeps refs.
+	b = NewBuilder(2)
+	b.Add("b", []byte("2"))
+	b.Add("a", []byte("1"))
+	if s := b.Set(); s.refs == nil || !slices.Equal(entriesOf(s), []string{"a=1", "b=2"}) {
+		t.Fatalf("added out of order: %q, refs %v", entriesOf(s), s.refs)
 	}
 }
