@@ -20,9 +20,10 @@
 // amortized, not the whole set. Measured at 1,000 prefixes of 100 keys of
 // 75 bytes: 9.9 MB as packed sets, 10.7 MB with a ref for every value,
 // against 14.5 MB as the etcd source's maps held them (TestSetHoldsLess);
-// the worker at rest 20.3–20.7 MiB as sets with refs against 23.6–23.8
-// as maps (BENCHMARKS.md, "The monitor's collector target, and the
-// worker's snapshots as sorted sets").
+// the worker at 1,000 such prefixes, at rest, 19.2–19.6 MiB as packed
+// sets, 20.3–20.7 with a ref for every value, 23.6–23.8 as maps
+// (BENCHMARKS.md, "The monitor's collector target, and the worker's
+// snapshots as sorted sets").
 package kvset
 
 import (
