@@ -84,9 +84,11 @@ type Reconciler struct {
 	opCtx    context.Context
 	opCancel context.CancelFunc
 	results  chan result
-	reloads  chan reloadRequest
-	adopts   chan adoptRequest
-	pings    chan chan struct{}
+	// execs runs the operations (executors.go).
+	execs   *executors
+	reloads chan reloadRequest
+	adopts  chan adoptRequest
+	pings   chan chan struct{}
 	// names are the desired mounts' names, sorted: the order in which a
 	// pass plans and reports them, sorted again only when the mounts
 	// change.
@@ -201,6 +203,7 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 		asw:       NewActualState(),
 		runtimes:  map[string]*runtime{},
 		results:   make(chan result),
+		execs:     newExecutors(),
 		reloads:   make(chan reloadRequest),
 		adopts:    make(chan adoptRequest),
 		pings:     make(chan chan struct{}),
@@ -321,6 +324,7 @@ func (r *Reconciler) Ping(ctx context.Context) error {
 // every writer.
 func (r *Reconciler) shutdown() {
 	defer r.opCancel()
+	defer r.execs.stop()
 	for len(r.asw.InFlight) > 0 {
 		select {
 		case res := <-r.results:
@@ -342,7 +346,8 @@ func (r *Reconciler) shutdown() {
 	}
 }
 
-// dispatch starts op in its own goroutine, which Run waits for.
+// dispatch starts op on an executor goroutine of its own (executors.go),
+// whose result Run waits for.
 func (r *Reconciler) dispatch(op Op, d *DesiredMount) {
 	rt := r.runtimes[op.Mount]
 	if rt == nil {
@@ -355,9 +360,9 @@ func (r *Reconciler) dispatch(op Op, d *DesiredMount) {
 	}
 	r.asw.InFlight[op.Mount] = true
 	r.kinds[op.Mount] = op.Kind
-	go func() {
+	r.execs.run(func() {
 		r.results <- r.execute(op, d, actual, rt)
-	}()
+	})
 }
 
 // apply records an operation's result in the actual state, logs it and
