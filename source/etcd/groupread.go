@@ -112,8 +112,13 @@ func (s *Source) hold(m *member, err error) {
 // readMembers reads ms at the latest revision, concurrentReads reads at
 // once (readRuns), and publishes them: the group's events from then on are
 // theirs, each from its read's revision (its floor). It returns an error
-// other than a member's own limits, which ends the watch.
+// other than a member's own limits, which ends the watch. With no member
+// to read it returns at once: the group's watch calls it before every
+// response, nearly always with none.
 func (s *Source) readMembers(ctx context.Context, cli *clientv3.Client, ms []*member, revs *revisions) error {
+	if len(ms) == 0 {
+		return nil
+	}
 	var mu sync.Mutex // guards revs
 	base := revs.seen
 	pub := &readPublisher{}
