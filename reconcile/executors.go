@@ -7,9 +7,10 @@ import (
 
 // executors runs the reconciler's operations on goroutines that outlive
 // one operation. A write's goroutine grows its stack to what the atomic
-// writer's calls need, several times the 8 KiB a new goroutine starts
-// with; a new goroutine for every operation grew it anew on every write,
-// copying it at each doubling (runtime.morestack was 6.6 % of the
+// writer's calls need, doubling it from the few KiB a new goroutine starts
+// with (the runtime's minimum, or the average it last measured); a new
+// goroutine for every operation grew it anew on every write, copying it
+// at each doubling (runtime.morestack was 6.6 % of the
 // monitor's CPU samples under a stream of one-key updates, BENCHMARKS.md
 // "The operations' goroutines kept"). An executor that finishes its
 // operation waits for the next one, unless maxIdle others already wait: a
@@ -18,8 +19,8 @@ import (
 // stack at each collection of the garbage collector when it uses less
 // than a quarter of it.
 //
-// Only the reconciler's loop calls run, and it calls stop once, after the
-// operations in flight have ended (shutdown).
+// Only the reconciler's loop calls run, and stop once the operations in
+// flight have ended (shutdown).
 type executors struct {
 	// work hands an operation to a waiting executor; unbuffered, so a send
 	// succeeds only when one waits.

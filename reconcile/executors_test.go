@@ -59,8 +59,8 @@ func TestExecutorsKeepAFewWaiting(t *testing.T) {
 	}
 }
 
-// deepOperation uses about 40 KiB of stack, as a write's calls through the
-// atomic writer do (BENCHMARKS.md, "The operations' goroutines kept").
+// deepOperation uses about 40 KiB of stack: a stand-in for an operation
+// that grows its goroutine's stack several times, as a write does.
 //
 //go:noinline
 func deepOperation(depth int) int {

@@ -69,7 +69,8 @@ type Options struct {
 // trigger fires, an operation ends, a backoff or quiescence expires, a
 // reload arrives or the resync ticks; idle, it uses no CPU. The operations
 // themselves (operations.go) run on goroutines of their own, one per mount
-// at most, as the kubelet's operation executor runs them.
+// at most, as the kubelet's operation executor runs them; those goroutines
+// outlive an operation and take the next (executors.go).
 type Reconciler struct {
 	log     *slog.Logger
 	pop     Desired
