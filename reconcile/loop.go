@@ -17,6 +17,8 @@ import (
 // unreported (statusEvery), closes the mounts' writers and returns nil.
 func (r *Reconciler) Run(ctx context.Context) error {
 	r.startedAt = time.Now()
+	// Executors of this run's own: shutdown stops them.
+	r.execs = newExecutors()
 	resync := time.NewTicker(r.opts.ResyncInterval)
 	defer resync.Stop()
 	defer r.reportUnreported()
