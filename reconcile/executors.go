@@ -26,9 +26,9 @@ type executors struct {
 	// succeeds only when one waits.
 	work chan func()
 	// idle counts the executors waiting on work, or about to; live all
-	// of them.
-	idle, live atomic.Int32
-	stopped    sync.Once
+	// of them; started every one run began.
+	idle, live, started atomic.Int32
+	stopped             sync.Once
 }
 
 // maxIdle is how many executors at most wait for an operation.
@@ -44,6 +44,7 @@ func (e *executors) run(op func()) {
 	case e.work <- op:
 	default:
 		e.live.Add(1)
+		e.started.Add(1)
 		go e.serve(op)
 	}
 }

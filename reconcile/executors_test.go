@@ -28,13 +28,16 @@ func TestExecutorsKeepAFewWaiting(t *testing.T) {
 		if got := <-done; got != i {
 			t.Fatalf("operation %d reported %d", i, got)
 		}
-		// The executor is about to wait for work again; let it get there.
-		for e.idle.Load() == 0 {
+		// The executor is about to wait for work again; let it get there
+		// (at most 1 s: an executor that never waits is what the check
+		// below reports).
+		for deadline := time.Now().Add(time.Second); e.idle.Load() == 0 && time.Now().Before(deadline); {
 			goruntime.Gosched()
 		}
+		goruntime.Gosched()
 	}
-	if n := e.live.Load(); n != 1 {
-		t.Fatalf("20 operations one after another ran on %d executors, want one", n)
+	if n := e.started.Load(); n > 2 {
+		t.Fatalf("20 operations one after another started %d executors, want one (two if the first was not yet receiving)", n)
 	}
 
 	var wg sync.WaitGroup
@@ -43,8 +46,10 @@ func TestExecutorsKeepAFewWaiting(t *testing.T) {
 		wg.Add(1)
 		e.run(func() { defer wg.Done(); <-release })
 	}
-	if n := e.live.Load(); n != 100 {
-		t.Fatalf("100 operations at once ran on %d executors, want 100", n)
+	// The waiting executor takes the first unless it has counted itself
+	// idle but not yet reached its receive: then a new one does.
+	if n := e.live.Load(); n < 100 || n > 101 {
+		t.Fatalf("100 operations at once ran on %d executors, want 100 (101 if the waiting one was not yet receiving)", n)
 	}
 	close(release)
 	wg.Wait()
