@@ -324,24 +324,31 @@ func TestAdoptWhereNoMarkerIsKept(t *testing.T) {
 // privateGet GETs path from the private admin socket and returns the body.
 func privateGet(t *testing.T, socket, path string) string {
 	t.Helper()
+	body, err := privateFetch(socket, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return body
+}
+
+// privateFetch is privateGet returning its error, for a caller that tries
+// again.
+func privateFetch(socket, path string) (string, error) {
 	client, done := privateClient(socket)
 	defer done()
 	ctx, cancel := context.WithTimeout(context.Background(), waitTimeout)
 	defer cancel()
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://kvmount"+path, nil)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	resp, err := client.Do(req)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(body)
+	return string(body), err
 }
 
 // TestReadoptWhereOnlyRootCould: the same file system without markers,
