@@ -42,7 +42,7 @@ var consulModes = []string{"default", "stale", "consistent"}
 // consulTopology is 3 Consul servers and a client agent, with a writer
 // of transactions that go to whichever server answers.
 type consulTopology struct {
-	t *testing.T
+	t testing.TB
 	c *consultest.Cluster
 	// paused holds the writer.
 	paused atomic.Bool
@@ -172,7 +172,8 @@ func (ct *consulTopology) healed(h *history, since time.Time) time.Time {
 // quorum lost) is reported stale within 5 s, and every mount is current
 // again within a second of the heal; the restore is followed within
 // seconds.
-func TestConsulCluster(t *testing.T) {
+func TestConsulCluster(tt *testing.T) {
+	t := keepFailures(tt)
 	roottest.Require(t)
 	ct := &consulTopology{t: t, c: consultest.StartCluster(t, 3)}
 	c := ct.c

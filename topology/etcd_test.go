@@ -87,7 +87,8 @@ func etcdWriter(ctx context.Context, cli *clientv3.Client, h *history, paused *a
 // whether kvmount even reports the mount stale depends on whether its
 // progress request reaches the frozen member (in most runs it did, after
 // 4.4–7.4 s; in one it did not). The figures are logged.
-func TestEtcdGRPCProxy(t *testing.T) {
+func TestEtcdGRPCProxy(tt *testing.T) {
+	t := keepFailures(tt)
 	roottest.Require(t)
 	c := etcdtest.StartCluster(t, 3)
 	// The keepalive README recommends: the proxy drops a connection to a

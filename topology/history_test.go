@@ -184,7 +184,7 @@ func (h *history) lagWithin(mount string, from, to time.Time) time.Duration {
 // last read holding the last acknowledged write (or a later one), and
 // fails the test naming the first that does not; after says what just
 // happened, st is logged with the failure.
-func (h *history) waitHeld(t *testing.T, after string, mounts []string, st *states) {
+func (h *history) waitHeld(t testing.TB, after string, mounts []string, st *states) {
 	t.Helper()
 	want := h.lastAcked()
 	deadline := time.Now().Add(waitTimeout)
@@ -222,7 +222,7 @@ func (h *history) lastAcked() int {
 // resolves ..data once and reads the files n and check below prefix in
 // that one version; the two always hold the same number, or the mount
 // showed a mix of two versions.
-func (h *history) read(ctx context.Context, t *testing.T, mount, dir, prefix string) {
+func (h *history) read(ctx context.Context, t testing.TB, mount, dir, prefix string) {
 	var last int
 	for ctx.Err() == nil {
 		time.Sleep(20 * time.Millisecond)

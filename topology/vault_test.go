@@ -258,7 +258,7 @@ type certs struct {
 	serials map[string]bool
 }
 
-func (c *certs) watch(ctx context.Context, t *testing.T, dir string) {
+func (c *certs) watch(ctx context.Context, t testing.TB, dir string) {
 	c.serials = map[string]bool{}
 	for ctx.Err() == nil {
 		time.Sleep(250 * time.Millisecond)
@@ -351,7 +351,8 @@ func outside(at []time.Time, outages []window, bar time.Duration) []string {
 // no certificate expired and no database login refused while Vault
 // answered, and at most a few requests and new connections a second
 // through the load balancer.
-func TestVaultHACluster(t *testing.T) {
+func TestVaultHACluster(tt *testing.T) {
+	t := keepFailures(tt)
 	roottest.Require(t)
 	v := newVaultTopology(t)
 	pinned := v.cluster.Nodes[0]
@@ -561,7 +562,7 @@ func TestVaultHACluster(t *testing.T) {
 
 // revokeAppRoleTokens revokes every token of the AppRole auth method
 // (kvmount's), by accessor, with the root token.
-func revokeAppRoleTokens(t *testing.T, c *vaulttest.Cluster) {
+func revokeAppRoleTokens(t testing.TB, c *vaulttest.Cluster) {
 	t.Helper()
 	cl := c.Client(c.Active())
 	list, err := cl.Logical().List("auth/token/accessors")
