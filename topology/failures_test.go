@@ -11,7 +11,7 @@ import (
 // test reports and says them all again once the test's cleanups have
 // run. Those cleanups show the logs of a failed test — kvmount's and each
 // Consul, etcd or Vault node's, thousands of lines — after the failures,
-// and a CI log cut to its tail showed only the logs (stop 56: a Consul
+// and a CI log cut to its tail showed only the logs (once a Consul
 // server's log, and no failure).
 type failures struct {
 	testing.TB
