@@ -36,6 +36,14 @@ func StripACL(f *os.File) error {
 	return nil
 }
 
+// MayHaveDefaultACL reports whether the open directory d has a default
+// ACL, or might have: false only when the kernel says it has none
+// (ENODATA), or that its file system keeps no ACLs (EOPNOTSUPP).
+func MayHaveDefaultACL(d *os.File) bool {
+	_, err := unix.Fgetxattr(int(d.Fd()), ACLDefaultXattr, nil)
+	return !errors.Is(err, unix.ENODATA) && !errors.Is(err, unix.EOPNOTSUPP)
+}
+
 // ACL entry tags and the permission bit for writing (linux/posix_acl.h,
 // include/uapi/linux/posix_acl_xattr.h).
 const (

@@ -63,27 +63,33 @@ func OpenNoFollow(path string, flags int) (*os.File, error) {
 	}
 	flags |= unix.O_CLOEXEC | unix.O_NOFOLLOW
 	fd, err := openNoFollow(path, flags)
-	if err == nil {
-		return os.NewFile(uintptr(fd), path), nil
+	if err != nil {
+		return nil, noFollowError(path, flags, err)
 	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// noFollowError returns OpenNoFollow's error for path, opened with flags,
+// from err, the error of the open itself.
+func noFollowError(path string, flags int, err error) error {
 	if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.ENOTDIR) {
 		if link := firstSymlink(path); link != "" {
 			target, _ := os.Readlink(link)
 			target = untrusted.Escape(target) // chosen by whoever can write the directory
 			wrapped := ErrSymlink
 			if link == path && flags&unix.O_DIRECTORY != 0 {
-				return nil, fmt.Errorf("%s: %w: %w: it is a symlink (to %s), and kvmount never follows a symlink at a mount directory", path, ErrNotDir, wrapped, target)
+				return fmt.Errorf("%s: %w: %w: it is a symlink (to %s), and kvmount never follows a symlink at a mount directory", path, ErrNotDir, wrapped, target)
 			}
 			if link == path {
-				return nil, fmt.Errorf("%s: %w: it is a symlink (to %s), and kvmount follows none", path, wrapped, target)
+				return fmt.Errorf("%s: %w: it is a symlink (to %s), and kvmount follows none", path, wrapped, target)
 			}
-			return nil, fmt.Errorf("%s: %w: %s is a symlink (to %s), and kvmount follows no symlink in any component of a path; name the directory without it", path, wrapped, link, target)
+			return fmt.Errorf("%s: %w: %s is a symlink (to %s), and kvmount follows no symlink in any component of a path; name the directory without it", path, wrapped, link, target)
 		}
 		if errors.Is(err, unix.ENOTDIR) && flags&unix.O_DIRECTORY != 0 {
-			return nil, fmt.Errorf("%s: %w", path, ErrNotDir)
+			return fmt.Errorf("%s: %w", path, ErrNotDir)
 		}
 	}
-	return nil, &fs.PathError{Op: "open", Path: path, Err: err}
+	return &fs.PathError{Op: "open", Path: path, Err: err}
 }
 
 // openNoFollow opens path with openat2, or walks it.
@@ -159,11 +165,45 @@ func firstSymlink(path string) string {
 // one wrapping ErrSymlink; a missing dir one wrapping fs.ErrNotExist. The
 // caller closes the returned handle.
 func OpenDir(dir string) (*os.File, error) {
-	dir = filepath.Clean(dir)
-	if !filepath.IsAbs(dir) || dir == "/" {
-		return nil, fmt.Errorf("%s: a mount directory must be absolute and not /", dir)
+	dir, err := cleanMountDir(dir)
+	if err != nil {
+		return nil, err
 	}
 	return OpenNoFollow(dir, unix.O_RDONLY|unix.O_DIRECTORY)
+}
+
+// cleanMountDir returns dir cleaned, or an error when it is not absolute
+// or is /.
+func cleanMountDir(dir string) (string, error) {
+	dir = filepath.Clean(dir)
+	if !filepath.IsAbs(dir) || dir == "/" {
+		return "", fmt.Errorf("%s: a mount directory must be absolute and not /", dir)
+	}
+	return dir, nil
+}
+
+// StatDir returns the fstat(2) of the directory at dir, reached as OpenDir
+// reaches it (no symlink in any component), on a descriptor it closes
+// again: a check of what a path reaches, made on every write of a mount,
+// without an *os.File, whose making asks the kernel for the descriptor's
+// flags (fcntl(2) F_GETFL). Its errors are OpenDir's, and an fstat's
+// *fs.PathError.
+func StatDir(dir string) (unix.Stat_t, error) {
+	dir, err := cleanMountDir(dir)
+	if err != nil {
+		return unix.Stat_t{}, err
+	}
+	const flags = unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC | unix.O_NOFOLLOW
+	fd, err := openNoFollow(dir, flags)
+	if err != nil {
+		return unix.Stat_t{}, noFollowError(dir, flags, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return unix.Stat_t{}, &fs.PathError{Op: "fstat", Path: dir, Err: err}
+	}
+	return st, nil
 }
 
 // DirExists reports whether dir exists as a real directory reached without

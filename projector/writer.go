@@ -145,8 +145,15 @@ type WriterOptions struct {
 type AtomicWriter struct {
 	dir  string
 	root *os.Root
-	// ident identifies the directory root holds.
-	ident fsutil.Ident
+	// ident identifies the directory root holds; dev and ino are its
+	// st_dev and st_ino in this boot, which the path must still reach
+	// (sameDir).
+	ident    fsutil.Ident
+	dev, ino uint64
+	// defaultACL: the directory had a default ACL, or might have, when
+	// the writer opened it; owned: at the last sameDir, it was the
+	// writer's own user's (versionsMayInherit).
+	defaultACL, owned bool
 	// mount is a plain handle on the directory root holds, for the *at
 	// system calls of removals (never read from: it shares its offset).
 	mount *os.File
@@ -230,6 +237,10 @@ func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWrit
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(d.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("atomic writer: %w", &fs.PathError{Op: "fstat", Path: dir, Err: err})
+	}
 	root, err := os.OpenRoot(fsutil.ProcPath(d))
 	if err != nil {
 		return nil, fmt.Errorf("atomic writer: %w", err)
@@ -243,7 +254,8 @@ func OpenAtomicWriterAt(dir string, d *os.File, opts WriterOptions) (*AtomicWrit
 		root.Close()
 		return nil, fmt.Errorf("atomic writer: %w", err)
 	}
-	w := &AtomicWriter{dir: dir, root: root, mount: os.NewFile(uintptr(fd), dir), ident: ident, opts: opts, uid: os.Geteuid(), gid: os.Getegid()}
+	w := &AtomicWriter{dir: dir, root: root, mount: os.NewFile(uintptr(fd), dir), ident: ident, dev: st.Dev, ino: st.Ino,
+		defaultACL: fsutil.MayHaveDefaultACL(d), opts: opts, uid: os.Geteuid(), gid: os.Getegid()}
 	if opts.ManifestDir != "" {
 		if w.manifests, err = fsutil.OpenDir(opts.ManifestDir); err != nil {
 			root.Close()
@@ -485,10 +497,16 @@ func (w *AtomicWriter) isBuilt(name string, built builtVersion) error {
 // write's path that the kernel's own checks make needless (rename(2) of a
 // symlink over a directory fails with EISDIR).
 func (w *AtomicWriter) pointData(name string) error {
-	if err := w.removeDataTmp(); err != nil {
-		return err
+	err := w.root.Symlink(name, dataTmpName)
+	if errors.Is(err, fs.ErrExist) {
+		// Left by an earlier switch that did not finish: removed only
+		// then, not before every switch, where it is one more system
+		// call on each write's path that finds nothing.
+		if err = w.removeDataTmp(); err == nil {
+			err = w.root.Symlink(name, dataTmpName)
+		}
 	}
-	if err := w.root.Symlink(name, dataTmpName); err != nil {
+	if err != nil {
 		return fmt.Errorf("atomic writer: %w", err)
 	}
 	if w.opts.DirUID >= 0 || w.opts.DirGID >= 0 {

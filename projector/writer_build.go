@@ -358,10 +358,10 @@ func (w *AtomicWriter) mkdir(name string) (*os.File, error) {
 	}
 	d, err := w.openVersion(name)
 	if err == nil {
-		if err = fsutil.StripACL(d); err != nil {
-			err = fmt.Errorf("atomic writer: %w", err)
-		} else if err = w.chmodChownDir(d); err == nil {
-			return d, nil
+		if err = w.stripInherited(d); err == nil {
+			if err = w.chmodChownDir(d); err == nil {
+				return d, nil
+			}
 		}
 		d.Close()
 	}
@@ -369,6 +369,18 @@ func (w *AtomicWriter) mkdir(name string) (*os.File, error) {
 	// with the rights removals in the mount take (removeTree).
 	_ = w.removeTree(w.mount, name, true)
 	return nil, err
+}
+
+// stripInherited removes the ACLs the new version directory d may have
+// inherited from the mount directory (versionsMayInherit).
+func (w *AtomicWriter) stripInherited(d *os.File) error {
+	if !w.versionsMayInherit() {
+		return nil
+	}
+	if err := fsutil.StripACL(d); err != nil {
+		return fmt.Errorf("atomic writer: %w", err)
+	}
+	return nil
 }
 
 // writeFileAt creates base in dir exclusively and without following a

@@ -756,3 +756,36 @@ func TestVisibleNamesNotKeptAtRest(t *testing.T) {
 	w = w2
 	atRest("after adoption from the manifest")
 }
+
+// TestWriteReplacesALeftoverDataTmp: a ..data_tmp that a switch left (a
+// crash between its symlink and the rename), or a directory of that name,
+// found at the next switch, is removed then and the switch happens.
+func TestWriteReplacesALeftoverDataTmp(t *testing.T) {
+	for _, leftover := range []string{"symlink", "directory"} {
+		t.Run(leftover, func(t *testing.T) {
+			dir := t.TempDir()
+			w := newWriter(t, dir)
+			if _, err := w.Write(Payload{"a": {Data: []byte("1"), Mode: 0o644}}); err != nil {
+				t.Fatal(err)
+			}
+			tmp := filepath.Join(dir, dataTmpName)
+			var err error
+			if leftover == "symlink" {
+				err = os.Symlink(w.Version(), tmp)
+			} else {
+				err = os.Mkdir(tmp, 0o755)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			payload := Payload{"a": {Data: []byte("2"), Mode: 0o644}}
+			if _, err := w.Write(payload); err != nil {
+				t.Fatalf("Write over a leftover %s: %v", leftover, err)
+			}
+			checkMount(t, dir, payload)
+			if _, err := os.Lstat(tmp); !os.IsNotExist(err) {
+				t.Errorf("%s after the switch: %v", dataTmpName, err)
+			}
+		})
+	}
+}

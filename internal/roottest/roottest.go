@@ -142,19 +142,31 @@ type ACLEntry struct {
 // extended attribute (acl(5)), so that tests need no acl package.
 func SetACL(tb testing.TB, path string, dflt bool, entries ...ACLEntry) {
 	tb.Helper()
+	if err := unix.Setxattr(path, ACLXattr(dflt), ACLValue(entries...), 0); err != nil {
+		tb.Fatalf("set the ACL of %s: %v", path, err)
+	}
+}
+
+// ACLXattr returns the name of the extended attribute that holds a
+// file's access ACL, or with dflt a directory's default ACL (acl(5)).
+func ACLXattr(dflt bool) string {
+	if dflt {
+		return "system.posix_acl_default"
+	}
+	return "system.posix_acl_access"
+}
+
+// ACLValue returns the value of an ACL's extended attribute (ACLXattr)
+// that holds entries: a little-endian version 2, then each entry's tag,
+// permission and ID (include/uapi/linux/posix_acl_xattr.h).
+func ACLValue(entries ...ACLEntry) []byte {
 	b := binary.LittleEndian.AppendUint32(nil, 2)
 	for _, e := range entries {
 		b = binary.LittleEndian.AppendUint16(b, e.Tag)
 		b = binary.LittleEndian.AppendUint16(b, e.Perm)
 		b = binary.LittleEndian.AppendUint32(b, e.ID)
 	}
-	name := "system.posix_acl_access"
-	if dflt {
-		name = "system.posix_acl_default"
-	}
-	if err := unix.Setxattr(path, name, b, 0); err != nil {
-		tb.Fatalf("set the ACL of %s: %v", path, err)
-	}
+	return b
 }
 
 // User is a throw-away unprivileged local user that a test creates to act
