@@ -35,16 +35,25 @@ func grantAll(id uint32) []roottest.ACLEntry {
 		{Tag: roottest.ACLGroupObj, Perm: 7}, {Tag: roottest.ACLMask, Perm: 7}, {Tag: roottest.ACLOther, Perm: 7}}
 }
 
-// assertNoACL fails t for every path of version (relative to dir) that
-// carries an access or a default ACL.
-func assertNoACL(t *testing.T, dir string, paths ...string) {
+// assertSecretKept fails t when the current version of the mount dir, or
+// its db directory or db/password file, carries an access or a default
+// ACL, or when u reads the secret ("s3cret") there.
+func assertSecretKept(t *testing.T, dir string, u roottest.User) {
 	t.Helper()
-	for _, p := range paths {
+	version, err := os.Readlink(filepath.Join(dir, DataDirName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{version, filepath.Join(version, "db"), filepath.Join(version, "db", "password")} {
 		for _, name := range []string{fsutil.ACLAccessXattr, fsutil.ACLDefaultXattr} {
 			if _, err := syscall.Getxattr(filepath.Join(dir, p), name, make([]byte, 256)); err == nil {
 				t.Errorf("%s carries %s", p, name)
 			}
 		}
+	}
+	out, err := u.Command("cat", filepath.Join(dir, "db", "password")).CombinedOutput()
+	if err == nil || strings.Contains(string(out), "s3cret") {
+		t.Errorf("%s read the secret: %q, %v", u.Name, out, err)
 	}
 }
 
@@ -79,15 +88,7 @@ func TestVersionsDropADefaultACLTheOwnerAddsLater(t *testing.T) {
 	if _, err := w.Write(secret("s3cret")); err != nil {
 		t.Fatal(err)
 	}
-	version, err := os.Readlink(filepath.Join(dir, DataDirName))
-	if err != nil {
-		t.Fatal(err)
-	}
-	assertNoACL(t, dir, version, filepath.Join(version, "db"), filepath.Join(version, "db", "password"))
-	out, err := u.Command("cat", filepath.Join(dir, "db", "password")).CombinedOutput()
-	if err == nil || strings.Contains(string(out), "s3cret") {
-		t.Errorf("the directory's owner read the secret: %q, %v", out, err)
-	}
+	assertSecretKept(t, dir, u)
 }
 
 // TestVersionsDropADefaultACLOfTheirOwnMountDirectory: a directory of
@@ -110,13 +111,5 @@ func TestVersionsDropADefaultACLOfTheirOwnMountDirectory(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	version, err := os.Readlink(filepath.Join(dir, DataDirName))
-	if err != nil {
-		t.Fatal(err)
-	}
-	assertNoACL(t, dir, version, filepath.Join(version, "db"), filepath.Join(version, "db", "password"))
-	out, err := u.Command("cat", filepath.Join(dir, "db", "password")).CombinedOutput()
-	if err == nil || strings.Contains(string(out), "s3cret") {
-		t.Errorf("the user the ACL names read the secret: %q, %v", out, err)
-	}
+	assertSecretKept(t, dir, u)
 }
