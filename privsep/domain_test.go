@@ -85,6 +85,56 @@ func TestDomainConfiguration(t *testing.T) {
 	}
 }
 
+// TestDomainConfigurationOfEverything: the only domain, which holds every
+// source and mount, is given the configuration as the monitor read it —
+// its text byte for byte, comments and lines kept, and every file it
+// names — and its share is the configuration itself. A domain that lacks
+// one mount is given an excerpt.
+func TestDomainConfigurationOfEverything(t *testing.T) {
+	dir := t.TempDir()
+	token := filepath.Join(dir, "one.token")
+	if err := os.WriteFile(token, []byte("secret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]config.SourceDecoder{"fake": func(sec *config.Section) any {
+		return sec.SecretFile("token_file")
+	}}
+	text := "# the operator's note\n[sources.one]\ntype = \"fake\"\ntoken_file = \"" + token + "\"\n" +
+		"[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"one\"\n" +
+		"[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"one\"\n"
+	rec := &config.Recorder{}
+	cfg, err := config.ParseWith("/etc/kvmount/kvmount.toml", []byte(text), kinds, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inputs := rec.Recorded()
+	inputs[cfg.Path] = cfg.Text
+	domains := ConfigDomains(cfg)
+	if len(domains) != 1 {
+		t.Fatalf("%d domains; want 1", len(domains))
+	}
+	for _, d := range domains {
+		c, part, err := DomainConfiguration(cfg, inputs, kinds, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(c.Inputs[cfg.Path]) != text || string(c.Inputs[token]) != "secret" || len(c.Inputs) != 2 {
+			t.Errorf("the only domain is given %q; want the configuration as read and its token file", c.Inputs)
+		}
+		if part != cfg || len(c.Mounts) != 2 {
+			t.Errorf("the only domain's share: %p (want the configuration, %p), limits of %d mounts", part, cfg, len(c.Mounts))
+		}
+		d.Mounts = d.Mounts[:1]
+		c, part, err = DomainConfiguration(cfg, inputs, kinds, d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(string(c.Inputs[cfg.Path]), "operator's note") || len(part.Mounts) != 1 {
+			t.Errorf("a domain of one mount of two is given:\n%s", c.Inputs[cfg.Path])
+		}
+	}
+}
+
 // BenchmarkDomainConfiguration1000Mounts measures what a start spends on
 // the configuration of BenchmarkScale100kKeys' daemon (one etcd source,
 // 1,000 mounts, one trust domain): the monitor's parse of the file, then
