@@ -36,6 +36,26 @@ func TestDomains(t *testing.T) {
 	}
 }
 
+// fakeKinds decode sources of type "fake", which read a token_file.
+var fakeKinds = map[string]config.SourceDecoder{"fake": func(sec *config.Section) any {
+	return sec.SecretFile("token_file")
+}}
+
+// parseFake parses text as /etc/kvmount/kvmount.toml with fakeKinds, and
+// returns it and what the monitor read for it (its inputs, the text
+// included).
+func parseFake(t *testing.T, text string) (*config.Config, map[string][]byte) {
+	t.Helper()
+	rec := &config.Recorder{}
+	cfg, err := config.ParseWith("/etc/kvmount/kvmount.toml", []byte(text), fakeKinds, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inputs := rec.Recorded()
+	inputs[cfg.Path] = cfg.Text
+	return cfg, inputs
+}
+
 // TestDomainConfiguration: a domain's worker is given the text of its
 // sources and mounts alone, and the files that text names — never
 // another domain's credential file.
@@ -47,22 +67,12 @@ func TestDomainConfiguration(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	kinds := map[string]config.SourceDecoder{"fake": func(sec *config.Section) any {
-		return sec.SecretFile("token_file")
-	}}
-	text := "[sources.one]\ntype = \"fake\"\ntoken_file = \"" + one + "\"\n" +
-		"[sources.two]\ntype = \"fake\"\ntoken_file = \"" + two + "\"\n" +
-		"[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"one\"\n" +
-		"[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"two\"\n"
-	rec := &config.Recorder{}
-	cfg, err := config.ParseWith("/etc/kvmount/kvmount.toml", []byte(text), kinds, rec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inputs := rec.Recorded()
-	inputs[cfg.Path] = cfg.Text
+	cfg, inputs := parseFake(t, "[sources.one]\ntype = \"fake\"\ntoken_file = \""+one+"\"\n"+
+		"[sources.two]\ntype = \"fake\"\ntoken_file = \""+two+"\"\n"+
+		"[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"one\"\n"+
+		"[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"two\"\n")
 	domains := ConfigDomains(cfg)
-	c, part, err := DomainConfiguration(cfg, inputs, kinds, domains["one"])
+	c, part, err := DomainConfiguration(cfg, inputs, fakeKinds, domains["one"])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +90,7 @@ func TestDomainConfiguration(t *testing.T) {
 	}
 	// A file the monitor did not read is an error, not a silent gap.
 	delete(inputs, one)
-	if _, _, err := DomainConfiguration(cfg, inputs, kinds, domains["one"]); err == nil {
+	if _, _, err := DomainConfiguration(cfg, inputs, fakeKinds, domains["one"]); err == nil {
 		t.Error("no error for a share whose file the monitor did not read")
 	}
 }
@@ -96,25 +106,16 @@ func TestDomainConfigurationOfEverything(t *testing.T) {
 	if err := os.WriteFile(token, []byte("secret"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	kinds := map[string]config.SourceDecoder{"fake": func(sec *config.Section) any {
-		return sec.SecretFile("token_file")
-	}}
 	text := "# the operator's note\n[sources.one]\ntype = \"fake\"\ntoken_file = \"" + token + "\"\n" +
 		"[[mount]]\nname = \"a\"\ndir = \"/srv/a\"\nsource = \"one\"\n" +
 		"[[mount]]\nname = \"b\"\ndir = \"/srv/b\"\nsource = \"one\"\n"
-	rec := &config.Recorder{}
-	cfg, err := config.ParseWith("/etc/kvmount/kvmount.toml", []byte(text), kinds, rec)
-	if err != nil {
-		t.Fatal(err)
-	}
-	inputs := rec.Recorded()
-	inputs[cfg.Path] = cfg.Text
+	cfg, inputs := parseFake(t, text)
 	domains := ConfigDomains(cfg)
 	if len(domains) != 1 {
 		t.Fatalf("%d domains; want 1", len(domains))
 	}
 	for _, d := range domains {
-		c, part, err := DomainConfiguration(cfg, inputs, kinds, d)
+		c, part, err := DomainConfiguration(cfg, inputs, fakeKinds, d)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -125,7 +126,7 @@ func TestDomainConfigurationOfEverything(t *testing.T) {
 			t.Errorf("the only domain's share: %p (want the configuration, %p), limits of %d mounts", part, cfg, len(c.Mounts))
 		}
 		d.Mounts = d.Mounts[:1]
-		c, part, err = DomainConfiguration(cfg, inputs, kinds, d)
+		c, part, err = DomainConfiguration(cfg, inputs, fakeKinds, d)
 		if err != nil {
 			t.Fatal(err)
 		}
