@@ -127,7 +127,7 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
 		return projector.Change{}, err
 	}
-	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log.With("mount", name)), spec.CheckUID)
+	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log), spec.CheckUID)
 	change, err := rt.writer.Write(payload)
 	if errors.Is(err, syscall.ENOSPC) {
 		err = fmt.Errorf("%w (size_limit is %d bytes)", err, spec.SizeLimit)
@@ -193,11 +193,14 @@ func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
 // (command.Tail, at most CheckOutputLimit bytes, escaped) when
 // show_check_output is on — by default on disk, not on tmpfs, where a
 // check may echo the secrets it reads; the first 4 KiB are logged at debug
-// level. Cancelling ctx kills a running command.
+// level, on log with the mount's name. Cancelling ctx kills a running
+// command. A mount without a check costs nothing here: no logger is
+// derived for it on each write.
 func checkCommand(ctx context.Context, spec *config.Mount, log *slog.Logger) func(projector.Candidate) error {
 	if len(spec.CheckCommand) == 0 {
 		return nil
 	}
+	log = log.With("mount", spec.Name)
 	return func(c projector.Candidate) error {
 		viewErr := command.NamespaceViews()
 		dir := c.MountDir
