@@ -381,3 +381,97 @@ func TestDigestFormat(t *testing.T) {
 		}
 	}
 }
+
+// TestKeepWithoutThePayload: a version adopted from its manifest is kept
+// as the projection of its payload's digest without the payload (a
+// restart whose worker found the payload unchanged): the mount is as
+// Write of the payload leaves it — a visible symlink removed while
+// kvmount was down is back, a stray one of the writer's gone — and the
+// version stays. Any other case needs the bytes: another digest, a
+// version adopted by reading (drift), or no version at all.
+func TestKeepWithoutThePayload(t *testing.T) {
+	payload := manifestPayload()
+
+	t.Run("kept", func(t *testing.T) {
+		dir, _ := written(t, payload)
+		if err := os.Remove(filepath.Join(dir, "tls")); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(filepath.Join(DataDirName, "gone"), filepath.Join(dir, "gone")); err != nil {
+			t.Fatal(err)
+		}
+		w := newWriter(t, dir)
+		ad, err := w.Adopt()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ad.FromManifest {
+			t.Fatalf("Adopt = %+v; want from the manifest", ad)
+		}
+		if got := w.Size(); got != payload.Size() {
+			t.Errorf("Size = %d; want %d, the manifest's", got, payload.Size())
+		}
+		if err := w.Keep(payload.Digest()); err != nil {
+			t.Fatal(err)
+		}
+		checkMount(t, dir, payload)
+		if w.Version() != ad.Version {
+			t.Errorf("version %s after Keep; want %s kept", w.Version(), ad.Version)
+		}
+		if _, err := os.Lstat(filepath.Join(dir, "gone")); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("the stale visible symlink stayed (%v)", err)
+		}
+		// What Keep kept is written on as any adopted version.
+		next := manifestPayload()
+		next["app.conf"] = file("listen 81\n", 0o644)
+		if change, err := w.Write(next); err != nil || len(change.Changed) != 1 {
+			t.Fatalf("Write after Keep = %+v, %v; want app.conf changed", change, err)
+		}
+		checkMount(t, dir, next)
+	})
+
+	t.Run("another digest", func(t *testing.T) {
+		dir, version := written(t, payload)
+		w := newWriter(t, dir)
+		if _, err := w.Adopt(); err != nil {
+			t.Fatal(err)
+		}
+		other := manifestPayload()
+		other["app.conf"] = file("listen 81\n", 0o644)
+		for _, digest := range []string{other.Digest(), ""} {
+			if err := w.Keep(digest); !errors.Is(err, ErrNotKept) {
+				t.Errorf("Keep(%q) = %v; want ErrNotKept", digest, err)
+			}
+		}
+		if w.Version() != filepath.Base(version) {
+			t.Errorf("version %s; want %s untouched", w.Version(), filepath.Base(version))
+		}
+	})
+
+	t.Run("drift needs the bytes", func(t *testing.T) {
+		dir, version := written(t, payload)
+		if err := os.Chmod(filepath.Join(version, "tls/key.pem"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		w := newWriter(t, dir)
+		if ad, err := w.Adopt(); err != nil || ad.FromManifest {
+			t.Fatalf("Adopt = %+v, %v; want adopted by reading", ad, err)
+		}
+		if err := w.Keep(payload.Digest()); !errors.Is(err, ErrNotKept) {
+			t.Errorf("Keep after drift = %v; want ErrNotKept", err)
+		}
+	})
+
+	t.Run("nothing adopted", func(t *testing.T) {
+		w := newWriter(t, t.TempDir())
+		if _, err := w.Adopt(); err != nil {
+			t.Fatal(err)
+		}
+		if err := w.Keep(payload.Digest()); !errors.Is(err, ErrNotKept) {
+			t.Errorf("Keep of an empty mount = %v; want ErrNotKept", err)
+		}
+		if got := w.Size(); got != -1 {
+			t.Errorf("Size of an empty mount = %d; want -1", got)
+		}
+	})
+}

@@ -42,6 +42,10 @@ var (
 	// before or during the switch — another process changed the mount
 	// directory. ..data is never left naming a missing version.
 	ErrVersionVanished = errors.New("the new version directory vanished")
+	// ErrNotKept is returned by Keep when the current version is not
+	// known, from its manifest, to hold the payload of the digest asked:
+	// the payload's bytes are needed to write it.
+	ErrNotKept = errors.New("the version on disk is not known to hold that payload")
 )
 
 // DefaultGrace is how long kvmount keeps a replaced version after a switch
@@ -363,10 +367,11 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 					return Change{}, err
 				}
 			}
-			if err := w.addVisible(payload); err != nil {
+			want := topLevel(payload)
+			if err := w.addVisible(want); err != nil {
 				return Change{}, err
 			}
-			return Change{}, w.removeStaleVisible(payload)
+			return Change{}, w.removeStaleVisible(want)
 		}
 		change = w.current.diff(payload)
 	}
@@ -395,7 +400,8 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 	}
 	// New visible names dangle until the switch, then resolve: a crash at
 	// any point leaves every name of the current version visible.
-	if err := w.makingRoom(func() error { return w.addVisible(payload) }); err != nil {
+	want := topLevel(payload)
+	if err := w.makingRoom(func() error { return w.addVisible(want) }); err != nil {
 		_ = w.removeTree(w.mount, name, true)
 		return Change{}, err
 	}
@@ -423,7 +429,7 @@ func (w *AtomicWriter) Write(payload Payload) (Change, error) {
 		w.retire(previous, oldDirs)
 		return change, err
 	}
-	if err := w.removeStaleVisible(payload); err != nil {
+	if err := w.removeStaleVisible(want); err != nil {
 		return change, err
 	}
 	if previous == nil {

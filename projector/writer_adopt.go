@@ -523,3 +523,53 @@ func (w *AtomicWriter) list() ([]mountEntry, error) {
 	slices.SortFunc(entries, func(a, b mountEntry) int { return strings.Compare(a.name, b.name) })
 	return entries, nil
 }
+
+// Keep takes the current version as the projection of the payload whose
+// digest (Payload.Digest) is digest, without that payload's bytes: for a
+// restart whose source says the payload is the one a previous run wrote,
+// so that it crosses neither the socket from the worker nor a hash here.
+// The current version must have been adopted from its manifest, whose
+// files matched the disk by one fstat each (Adoption.FromManifest), and
+// the manifest must record digest; Keep then does what Write of that
+// payload does when it finds it on disk — the visible symlinks become
+// exactly the version's first path elements — and nothing else: no
+// version is built, no check runs. Its bytes are read back by the next
+// Verify, as after any adoption from a manifest.
+//
+// It returns an error wrapping ErrNotKept when the version is not known
+// so (none, adopted by reading its files, another digest, directories to
+// rebuild), an error wrapping fsutil.ErrReplaced when the mount
+// directory's path no longer reaches the directory held (as Write), or
+// the error of a symlink's creation or removal.
+func (w *AtomicWriter) Keep(digest string) error {
+	v := w.current
+	if v == nil || v.manifest == nil || v.payload != nil || v.manifest.Digest != digest || w.rebuildDirs || digest == "" {
+		return fmt.Errorf("atomic writer: %s: %w", w.dir, ErrNotKept)
+	}
+	if err := w.sameDir(); err != nil {
+		return fmt.Errorf("atomic writer: %s: %w: %v", w.dir, fsutil.ErrReplaced, err)
+	}
+	want := v.topLevel()
+	if err := w.addVisible(want); err != nil {
+		return err
+	}
+	return w.removeStaleVisible(want)
+}
+
+// Size returns the bytes of the current version's files, as its payload or
+// its manifest records them; -1 when the writer does not hold either (no
+// version, or one forgotten: ForgetPayload).
+func (w *AtomicWriter) Size() int64 {
+	v := w.current
+	switch {
+	case v == nil || v.forgotten:
+		return -1
+	case v.payload == nil && v.manifest != nil:
+		var n int64
+		for _, e := range v.manifest.Files {
+			n += e.Size
+		}
+		return n
+	}
+	return v.payload.Size()
+}

@@ -446,13 +446,13 @@ func writeAll(fd int, data []byte) error {
 	return nil
 }
 
-// addVisible creates a symlink name -> ..data/name for every first path
-// element of payload that lacks one. When the visible entries are known it
+// addVisible creates a symlink name -> ..data/name for every name of want
+// (the first path elements of a payload, topLevel) that lacks one. When the visible entries are known it
 // touches only new names; otherwise it checks every entry first, which also
 // re-creates symlinks an interrupted kubelet-style write could lose
 // (kubernetes#121472). An entry in the way that is not the writer's symlink
 // is foreign content: it is left alone and reported.
-func (w *AtomicWriter) addVisible(payload Payload) error {
+func (w *AtomicWriter) addVisible(want map[string]bool) error {
 	known := w.knownVisible()
 	w.setVisible(nil) // unknown until this update completes
 	if known == nil {
@@ -461,7 +461,6 @@ func (w *AtomicWriter) addVisible(payload Payload) error {
 			return err
 		}
 	}
-	want := topLevel(payload)
 	for _, name := range slices.Sorted(maps.Keys(want)) {
 		if known[name] {
 			continue
@@ -485,10 +484,9 @@ func (w *AtomicWriter) addVisible(payload Payload) error {
 }
 
 // removeStaleVisible removes the writer's symlinks for first path elements
-// no longer in payload, after the switch to the version that holds it
-// (the current one).
-func (w *AtomicWriter) removeStaleVisible(payload Payload) error {
-	want := topLevel(payload)
+// not in want (those of the payload the current version holds, topLevel),
+// after the switch to that version.
+func (w *AtomicWriter) removeStaleVisible(want map[string]bool) error {
 	known := w.knownVisible()
 	w.setVisible(nil)
 	for name := range known {
