@@ -41,6 +41,9 @@ const (
 	// MaxWebhookLen bounds a webhook's body, in bytes: the JSON of the
 	// paths a change added, changed and removed.
 	MaxWebhookLen = 4 << 20
+	// MaxDigestLen bounds a payload's digest (projector.Payload.Digest:
+	// a SHA-256 in hex), in bytes.
+	MaxDigestLen = 64
 )
 
 // Message types, the fifth byte of a frame's header.
@@ -61,6 +64,8 @@ const (
 	typePost       = 14
 	typePosted     = 15
 	typeResend     = 16
+	typeOnDisk     = 17
+	typeUnchanged  = 18
 )
 
 // kind is what the decoder knows of a message type: its sender, the
@@ -128,6 +133,12 @@ var messageKinds = map[byte]kind{
 	}},
 	typeResend: {FromMonitor, 2 + MaxNameLen, func(p *parser, _ *Decoder) Message {
 		return &Resend{Mount: p.string(MaxNameLen)}
+	}},
+	typeOnDisk: {FromMonitor, 2 + MaxNameLen + 2 + MaxDigestLen + 4 + 4, func(p *parser, _ *Decoder) Message {
+		return &OnDisk{Mount: p.string(MaxNameLen), Digest: p.string(MaxDigestLen), UID: p.uint32(), GID: p.uint32()}
+	}},
+	typeUnchanged: {FromWorker, 2 + MaxNameLen + 8 + 2 + MaxDigestLen + 8, func(p *parser, _ *Decoder) Message {
+		return &Unchanged{Mount: p.string(MaxNameLen), Generation: p.uint64(), Digest: p.string(MaxDigestLen), Size: p.uint64()}
 	}},
 }
 
@@ -236,6 +247,32 @@ type Resend struct {
 	Mount string
 }
 
+// OnDisk (monitor) gives the digest (projector.Payload.Digest) of the
+// payload whose version Mount holds on disk: read from the version's
+// manifest at a restart, or the payload the monitor released once
+// written, for a worker started again. The worker sends Unchanged in
+// place of the next payload of Mount if it has that digest — once: a
+// later payload crosses whole. UID and GID are the owner the monitor gives
+// the mount's files (reconcile.MountOwner, in the monitor's process: its
+// own user where the mount names none), which the digest covers
+// (ConfiguredDigest).
+type OnDisk struct {
+	Mount, Digest string
+	UID, GID      uint32
+}
+
+// Unchanged (worker) stands for the payload of the MountState of Mount at
+// Generation just sent: its digest is Digest, the one OnDisk gave, and
+// its files hold Size bytes. The monitor takes it only at the digest it
+// gave (Remote), so a worker can keep a mount at what the monitor itself
+// wrote, and nothing else.
+type Unchanged struct {
+	Mount      string
+	Generation uint64
+	Digest     string
+	Size       uint64
+}
+
 // Post (monitor) has the worker deliver a webhook (notify.Webhook):
 // POST Body to URL with Header (name and value in turn), within Timeout;
 // the worker answers with Posted Seq. A webhook's response is read by
@@ -271,6 +308,8 @@ func (*Apply) msgType() byte      { return typeApply }
 func (*Post) msgType() byte       { return typePost }
 func (*Posted) msgType() byte     { return typePosted }
 func (*Resend) msgType() byte     { return typeResend }
+func (*OnDisk) msgType() byte     { return typeOnDisk }
+func (*Unchanged) msgType() byte  { return typeUnchanged }
 
 func (m *Begin) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
@@ -395,5 +434,23 @@ func (m *Posted) put(b []byte) ([]byte, error) {
 func (m *Resend) put(b []byte) ([]byte, error) {
 	w := writer{b: b}
 	w.string(m.Mount, MaxNameLen)
+	return w.b, w.err
+}
+
+func (m *OnDisk) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
+	w.string(m.Digest, MaxDigestLen)
+	w.uint32(m.UID)
+	w.uint32(m.GID)
+	return w.b, w.err
+}
+
+func (m *Unchanged) put(b []byte) ([]byte, error) {
+	w := writer{b: b}
+	w.string(m.Mount, MaxNameLen)
+	w.uint64(m.Generation)
+	w.string(m.Digest, MaxDigestLen)
+	w.uint64(m.Size)
 	return w.b, w.err
 }

@@ -72,17 +72,17 @@ type Monitor struct {
 // configuration, Run runs the workers.
 func NewMonitor(opts MonitorOptions) *Monitor {
 	m := &Monitor{opts: opts, remote: NewRemote(), workers: map[string]*domainWorker{}, domainOf: map[string]string{}, fatal: make(chan error, 1)}
-	m.remote.SetResend(m.resend)
+	m.remote.SetSend(m.send)
 	return m
 }
 
-// resend asks the worker of domain for mount's payload again (Resend),
-// and reports whether one runs to be asked.
-func (m *Monitor) resend(domain, mount string) bool {
+// send queues msgs to the worker of domain (Supervisor.Send), and reports
+// whether one runs to take them.
+func (m *Monitor) send(domain string, msgs ...Message) bool {
 	m.mu.Lock()
 	w := m.workers[domain]
 	m.mu.Unlock()
-	return w != nil && w.super.Send(&Resend{Mount: mount})
+	return w != nil && w.super.Send(msgs...)
 }
 
 // Remote returns the desired state the workers' reports build.
@@ -342,6 +342,7 @@ func (m *Monitor) newWorker(p planned, id identity) *domainWorker {
 			}
 		},
 		OnMessage: w.serve,
+		OnStart:   func() []Message { return m.remote.StartMessages(p.domain.Name) },
 		OnIdle:    m.remote.Idle,
 		OnEnd:     w.ended,
 		OnWritten: w.written,

@@ -53,9 +53,9 @@ type Remote struct {
 	// files: 1,000 mounts of 100 keys made that walk half the monitor's
 	// work after a restart.
 	held int64
-	// resend asks domain's worker for mount's payload again (Fetch);
-	// nil before the Monitor sets it.
-	resend func(domain, mount string) bool
+	// send sends msgs to domain's worker, if one runs (Fetch's Resend,
+	// OnDisk's digests); nil before the Monitor sets it.
+	send func(domain string, msgs ...Message) bool
 }
 
 // fetchAgain is how long Fetch waits for a payload asked of a worker
@@ -134,6 +134,11 @@ type remoteMount struct {
 	released bool
 	digest   string
 	asked    time.Time
+	// onDisk is the digest the worker was given (OnDisk) of what the
+	// mount holds on disk, until its next payload comes, whole or as an
+	// Unchanged at that digest (kept, for payloadGen).
+	onDisk string
+	kept   bool
 }
 
 // NewRemote returns a Remote with no mounts.
@@ -197,18 +202,141 @@ func (r *Remote) HandlePayload(domain string, p *Payload) {
 	if rm == nil || rm.state == nil || rm.domain != domain {
 		return
 	}
+	// Owners and modes are the configuration's: what the worker said of
+	// them is not taken.
 	uid, gid := reconcile.MountOwner(rm.spec)
-	modeOf := rm.spec.FileModes()
-	for name, f := range p.Files {
-		// Owners and modes are the configuration's: what the worker
-		// said of them is not taken.
-		f.UID, f.GID, f.Mode = uid, gid, modeOf(name)
-		p.Files[name] = f
-	}
+	configure(rm.spec, uid, gid, p.Files, p.Files)
 	size := p.Files.Size()
 	r.held += size - rm.size
 	rm.payload, rm.size, rm.revision, rm.payloadGen, rm.payloadNew = p.Files, size, p.Revision, rm.state.Generation, true
+	rm.onDisk, rm.kept = "", false
 	r.touch(rm)
+}
+
+// OnDisk implements reconcile.Releaser: digests are the digests of what
+// the owned mounts hold on disk, from their manifests, by mount. Each
+// mount's is given to its domain's worker (an OnDisk message, now to a
+// worker that runs, else at its start: StartMessages), so that a payload
+// equal to it comes as an Unchanged, not whole. A mount not configured,
+// or whose payload has come already, is left out.
+func (r *Remote) OnDisk(digests map[string]string) {
+	r.mu.Lock()
+	byDomain := map[string][]Message{}
+	for name, digest := range digests {
+		rm := r.mounts[name]
+		if rm == nil || rm.payload != nil || rm.released || len(digest) > MaxDigestLen {
+			continue
+		}
+		rm.onDisk = digest
+		byDomain[rm.domain] = append(byDomain[rm.domain], onDisk(name, rm, digest))
+	}
+	send := r.send
+	r.mu.Unlock()
+	if send == nil {
+		return
+	}
+	for domain, msgs := range byDomain {
+		send(domain, msgs...)
+	}
+}
+
+// StartMessages returns what a worker of domain is sent when it starts,
+// after its configuration: an OnDisk for each of its mounts whose digest
+// on disk is known — given by OnDisk, or the payload released once
+// written (Release) — so that a worker started again sends no payload
+// that the mounts hold already.
+func (r *Remote) StartMessages(domain string) []Message {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var msgs []Message
+	for name, rm := range r.mounts {
+		if rm.domain != domain {
+			continue
+		}
+		if rm.onDisk == "" && rm.released && rm.payload == nil {
+			rm.onDisk = rm.digest
+		}
+		if rm.onDisk != "" && len(rm.onDisk) <= MaxDigestLen {
+			msgs = append(msgs, onDisk(name, rm, rm.onDisk))
+		}
+	}
+	return msgs
+}
+
+// HandleUnchanged takes m, the word of domain's worker that the payload
+// of its last MountState of the mount is the one on disk, and reports
+// whether it took it: only for a mount of domain, at the digest the
+// worker was given (OnDisk), once, for the generation of that
+// MountState. The mount's desired state is then that payload, released
+// at that digest, which the reconciler keeps without its bytes; a worker
+// so keeps a mount at what the monitor itself wrote, and nothing else.
+// Anything else is dropped and the payload asked for whole (a Resend, at
+// most every fetchAgain): the mount waits for it, its content kept.
+func (r *Remote) HandleUnchanged(domain string, m *Unchanged) bool {
+	r.mu.Lock()
+	rm := r.mounts[m.Mount]
+	if rm == nil || rm.domain != domain {
+		r.mu.Unlock()
+		return false
+	}
+	if rm.state == nil || rm.state.Generation != m.Generation || rm.onDisk == "" || rm.onDisk != m.Digest {
+		now, send := time.Now(), r.send
+		ask := send != nil && (rm.asked.IsZero() || now.Sub(rm.asked) >= fetchAgain)
+		if ask {
+			rm.asked = now
+		}
+		r.mu.Unlock()
+		if ask {
+			send(domain, &Resend{Mount: m.Mount})
+		}
+		return false
+	}
+	defer r.mu.Unlock()
+	// The size claimed weighs in max_total_size (Budget) as a payload's
+	// would, and no more than one could: within the mount's effective
+	// size and what max_total_size leaves it.
+	size := int64(min(m.Size, uint64(1)<<62))
+	if limit := rm.spec.EffectiveMaxSize(); limit > 0 {
+		size = min(size, limit)
+	}
+	if r.maxTotal > 0 {
+		size = min(size, max(r.maxTotal-r.held+rm.size, 0))
+	}
+	r.held += size - rm.size
+	rm.payload, rm.size, rm.revision, rm.payloadGen, rm.payloadNew = nil, size, rm.state.Revision, m.Generation, true
+	rm.onDisk, rm.kept, rm.digest = "", true, m.Digest
+	r.touch(rm)
+	return true
+}
+
+// configure sets into out each file of files with owner uid and gid and
+// the mode the configuration of mount spec gives it
+// (config.Mount.FileModes); out may be files.
+func configure(spec *config.Mount, uid, gid int, files, out projector.Payload) {
+	modeOf := spec.FileModes()
+	for name, f := range files {
+		f.UID, f.GID, f.Mode = uid, gid, modeOf(name)
+		out[name] = f
+	}
+}
+
+// ConfiguredDigest returns the digest (projector.Payload.Digest) of
+// payload as the monitor takes it for mount spec — with the owner the
+// monitor gives its files (uid and gid, OnDisk's) and the modes the
+// configuration gives (HandlePayload), whatever payload carries —,
+// leaving payload as it is: what a worker compares with a digest on disk
+// (OnDisk) before it sends an Unchanged in place of the payload.
+func ConfiguredDigest(spec *config.Mount, uid, gid int, payload projector.Payload) string {
+	out := make(projector.Payload, len(payload))
+	configure(spec, uid, gid, payload, out)
+	return out.Digest()
+}
+
+// onDisk returns the OnDisk message of rm, whose digest on disk is
+// digest.
+func onDisk(name string, rm *remoteMount, digest string) *OnDisk {
+	uid, gid := reconcile.MountOwner(rm.spec)
+	return &OnDisk{Mount: name, Digest: digest, UID: uint32(uid), GID: uint32(gid)}
 }
 
 // HandleMessage takes one of the reports of the worker of domain: a
@@ -348,7 +476,7 @@ func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 	case len(st.Waiting) > 0 && prev != nil && prev.Ready():
 		// A worker started again, whose sources have not answered yet:
 		// the payload stays desired, stale meanwhile.
-		d.Payload, d.Released, d.Generation, d.ChangedAt, d.Revision, d.Waiting = prev.Payload, prev.Released, prev.Generation, prev.ChangedAt, prev.Revision, nil
+		d.Payload, d.Released, d.Digest, d.Generation, d.ChangedAt, d.Revision, d.Waiting = prev.Payload, prev.Released, prev.Digest, prev.Generation, prev.ChangedAt, prev.Revision, nil
 		for _, w := range st.Waiting {
 			d.Stale = append(d.Stale, fmt.Errorf("source %q: no snapshot yet since the worker started", w))
 		}
@@ -362,6 +490,18 @@ func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 			r.generation++
 			d.Generation, d.ChangedAt = r.generation, time.Now()
 		}
+	case rm.kept && rm.payloadGen == st.Generation:
+		// The payload on disk, by the worker's word at the digest it
+		// was given (unchanged): released from the start, which the
+		// reconciler keeps as it is once its adoption confirms it.
+		d.Released, d.Digest, d.Revision = true, rm.digest, rm.revision
+		if prev != nil && prev.Released && prev.Payload == nil && prev.Digest == rm.digest {
+			d.Generation, d.ChangedAt = prev.Generation, prev.ChangedAt
+		} else {
+			r.generation++
+			d.Generation, d.ChangedAt = r.generation, time.Now()
+		}
+		rm.payloadNew, rm.released, rm.asked = false, true, time.Time{}
 	case rm.payload != nil && rm.payloadGen == st.Generation:
 		d.Payload, d.Revision = rm.payload, rm.revision
 		switch {
@@ -379,18 +519,18 @@ func (r *Remote) buildReported(rm *remoteMount) *reconcile.DesiredMount {
 			// dropped at once — nothing is to be written.
 			d.Generation, d.ChangedAt = prev.Generation, prev.ChangedAt
 			if rm.asked.IsZero() {
-				d.Payload, d.Released, rm.payload, rm.payloadNew = nil, true, nil, false
+				d.Payload, d.Released, d.Digest, rm.payload, rm.payloadNew = nil, true, rm.digest, nil, false
 				return d
 			}
 		default:
 			r.generation++
 			d.Generation, d.ChangedAt = r.generation, time.Now()
 		}
-		rm.payloadNew, rm.released, rm.asked = false, false, time.Time{}
+		rm.payloadNew, rm.released, rm.asked, rm.kept = false, false, time.Time{}, false
 	case prev != nil:
 		// The payload of this report is on its way: what is desired
 		// stays until it comes.
-		d.Payload, d.Released, d.Err, d.Generation, d.ChangedAt, d.Revision = prev.Payload, prev.Released, prev.Err, prev.Generation, prev.ChangedAt, prev.Revision
+		d.Payload, d.Released, d.Digest, d.Err, d.Generation, d.ChangedAt, d.Revision = prev.Payload, prev.Released, prev.Digest, prev.Err, prev.Generation, prev.ChangedAt, prev.Revision
 	}
 	return d
 }
@@ -424,7 +564,7 @@ func (r *Remote) Release(mount string, generation uint64, digest string) bool {
 	rm.digest, rm.released, rm.asked = digest, true, time.Time{}
 	rm.payload = nil
 	d := *rm.desired
-	d.Payload, d.Released = nil, true
+	d.Payload, d.Released, d.Digest = nil, true, digest
 	rm.desired = &d
 	if r.dsw != nil {
 		r.dsw[mount] = rm.desired
@@ -441,7 +581,7 @@ func (r *Remote) Release(mount string, generation uint64, digest string) bool {
 func (r *Remote) Fetch(mount string, now time.Time) time.Time {
 	r.mu.Lock()
 	rm := r.mounts[mount]
-	if rm == nil || !rm.released || r.resend == nil {
+	if rm == nil || !rm.released || r.send == nil {
 		r.mu.Unlock()
 		return time.Time{}
 	}
@@ -450,17 +590,20 @@ func (r *Remote) Fetch(mount string, now time.Time) time.Time {
 		return next
 	}
 	rm.asked = now
-	domain, resend := rm.domain, r.resend
+	rm.onDisk = "" // the worker drops it at a Resend too
+	domain, send := rm.domain, r.send
 	r.mu.Unlock()
-	resend(domain, mount)
+	send(domain, &Resend{Mount: mount})
 	return now.Add(fetchAgain)
 }
 
-// SetResend makes f how Fetch asks domain's worker for mount's payload
-// again (Monitor: a Resend to that worker, if one runs).
-func (r *Remote) SetResend(f func(domain, mount string) bool) {
+// SetSend makes f how the Remote sends messages to domain's worker: a
+// Resend when Fetch asks for a payload again, the digests on disk
+// (OnDisk). The Monitor's queues them to that worker, if one runs, and
+// reports whether one does; f must not block.
+func (r *Remote) SetSend(f func(domain string, msgs ...Message) bool) {
 	r.mu.Lock()
-	r.resend = f
+	r.send = f
 	r.mu.Unlock()
 }
 

@@ -1,7 +1,10 @@
 package privsep
 
 import (
+	"errors"
 	"runtime"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -126,8 +129,10 @@ func TestRemoteHoldsOneCopy(t *testing.T) {
 func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	r := NewRemote()
 	var asked []string
-	r.SetResend(func(domain, mount string) bool {
-		asked = append(asked, domain+"/"+mount)
+	r.SetSend(func(domain string, msgs ...Message) bool {
+		for _, m := range msgs {
+			asked = append(asked, domain+"/"+m.(*Resend).Mount)
+		}
 		return true
 	})
 	mount := &config.Mount{Name: "app", UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
@@ -215,5 +220,111 @@ func TestRemoteReleasesWrittenPayload(t *testing.T) {
 	f := send("frozen", 1, "x")
 	if r.Release("frozen", f.Generation, "") {
 		t.Error("Release of an immutable mount's payload = true; want it kept")
+	}
+}
+
+// TestRemoteUnchanged: the digests on disk go to the worker of each
+// mount's domain (OnDisk), and to a worker started again (StartMessages);
+// an Unchanged is taken only for a mount of the reporting domain, at the
+// digest given, for its last MountState's generation, and once — the
+// mount is then desired released at that digest, ready without a payload
+// —; anything else is dropped and the payload asked for whole (Resend),
+// at most once per fetchAgain. A worker started again that finds the
+// payload unchanged keeps the generation: nothing is written.
+func TestRemoteUnchanged(t *testing.T) {
+	r := NewRemote()
+	var sent []string
+	r.SetSend(func(domain string, msgs ...Message) bool {
+		for _, m := range msgs {
+			switch m := m.(type) {
+			case *OnDisk:
+				sent = append(sent, domain+" ondisk "+m.Mount+" "+m.Digest)
+			case *Resend:
+				sent = append(sent, domain+" resend "+m.Mount)
+			}
+		}
+		return true
+	})
+	mount := func(name string) *config.Mount {
+		return &config.Mount{Name: name, UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
+	}
+	app := mount("app")
+	if err := r.SetMounts([]*config.Mount{app, mount("other")}); err != nil {
+		t.Fatal(err)
+	}
+	// The worker's modes are not the configuration's: the digest is of
+	// the payload as the monitor takes it.
+	files := projector.Payload{"k": {Data: []byte("v"), Mode: 0o600, UID: 7}}
+	uid, gid := reconcile.MountOwner(app)
+	digest := ConfiguredDigest(app, uid, gid, files)
+	if files["k"].Mode != 0o600 || files["k"].UID != 7 {
+		t.Fatalf("ConfiguredDigest changed the payload: %+v", files["k"])
+	}
+	other := strings.Repeat("0", 64)
+	r.SetMaxTotal(1000)
+	r.OnDisk(map[string]string{"app": digest, "other": digest, "unknown": digest})
+	slices.Sort(sent)
+	if want := []string{"main ondisk app " + digest, "main ondisk other " + digest}; !slices.Equal(sent, want) {
+		t.Fatalf("sent %q; want %q", sent, want)
+	}
+	sent = nil
+	refused := func(m *Unchanged, domain string) {
+		t.Helper()
+		if r.HandleUnchanged(domain, m) {
+			t.Errorf("%+v from %s taken; want refused", m, domain)
+		}
+	}
+	r.HandleMessage("main", &MountState{Mount: "other", Generation: 1, Revision: "main@7"})
+	refused(&Unchanged{Mount: "other", Generation: 1, Digest: other}, "main")
+	refused(&Unchanged{Mount: "other", Generation: 2, Digest: digest}, "main")
+	if want := []string{"main resend other"}; !slices.Equal(sent, want) {
+		t.Errorf("sent %q; want %q: one Resend within fetchAgain", sent, want)
+	}
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 1, Revision: "main@7"})
+	refused(&Unchanged{Mount: "app", Generation: 1, Digest: digest}, "vault")
+	refused(&Unchanged{Mount: "unknown", Generation: 1, Digest: digest}, "main")
+	if !r.HandleUnchanged("main", &Unchanged{Mount: "app", Generation: 1, Digest: digest, Size: 1 << 40}) {
+		t.Fatal("the Unchanged at the digest given was refused")
+	}
+	d := r.Populate()["app"]
+	if d == nil || !d.Ready() || !d.Released || d.Payload != nil || d.Digest != digest || d.Revision != "main@7" || d.Generation == 0 {
+		t.Fatalf("desired mount %+v; want released at the digest on disk, of main@7", d)
+	}
+	if got := r.mounts["app"].size; got != 1000 {
+		t.Errorf("the size claimed is held as %d bytes; want 1000, what max_total_size leaves", got)
+	}
+	refused(&Unchanged{Mount: "app", Generation: 1, Digest: digest}, "main")
+
+	// A worker started again is given the digest again, and keeps the
+	// generation with it.
+	r.WorkerEnded("main", errors.New("killed"))
+	var start []string
+	for _, m := range r.StartMessages("main") {
+		start = append(start, m.(*OnDisk).Mount+" "+m.(*OnDisk).Digest)
+	}
+	if !slices.Contains(start, "app "+digest) {
+		t.Fatalf("StartMessages = %q; want app's digest", start)
+	}
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 1, Revision: "main@7"})
+	if !r.HandleUnchanged("main", &Unchanged{Mount: "app", Generation: 1, Digest: digest}) {
+		t.Fatal("the restarted worker's Unchanged was refused")
+	}
+	again := r.Populate()["app"]
+	if !again.Released || again.Generation != d.Generation || len(again.Stale) != 0 {
+		t.Errorf("after the worker's restart: %+v; want released at generation %d, not stale", again, d.Generation)
+	}
+
+	// Asked for whole (drift to repair), it comes whole, at the same
+	// generation.
+	sent = nil
+	r.Fetch("app", time.Now())
+	if want := []string{"main resend app"}; !slices.Equal(sent, want) {
+		t.Fatalf("Fetch sent %q; want %q", sent, want)
+	}
+	r.HandleMessage("main", &MountState{Mount: "app", Generation: 2, Revision: "main@7"})
+	r.HandlePayload("main", &Payload{Mount: "app", Revision: "main@7", Files: projector.Payload{"k": {Data: []byte("v"), Mode: 0o644}}})
+	whole := r.Populate()["app"]
+	if whole.Payload == nil || whole.Generation != d.Generation {
+		t.Errorf("the payload fetched: %+v; want it held at generation %d", whole, d.Generation)
 	}
 }

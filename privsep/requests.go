@@ -68,6 +68,8 @@ var requests = map[byte]request{
 		func(w *domainWorker, m Message) error { return w.report(m, "", m.(*MountState).Mount) }},
 	typeHeldBack: {Running, "a mount of its domain; one of the five guard rails",
 		func(w *domainWorker, m Message) error { return w.report(m, "", m.(*HeldBack).Mount) }},
+	typeUnchanged: {Running, "a mount of its domain; taken only at the digest the monitor gave it (OnDisk), once, and for the generation of its last MountState; its size within the mount's effective size",
+		func(w *domainWorker, m Message) error { return w.unchanged(m.(*Unchanged)) }},
 	typeBegin:  {Running, payloadBudget, nil},
 	typeFile:   {Running, payloadBudget, nil},
 	typeData:   {Running, payloadBudget, nil},
@@ -165,5 +167,17 @@ func (w *domainWorker) report(m Message, source, mount string) error {
 		return fmt.Errorf("the worker of domain %s reported mount %q, which is not of its domain", w.domain.Name, mount)
 	}
 	w.m.remote.HandleMessage(w.domain.Name, m)
+	return nil
+}
+
+// unchanged serves an Unchanged of a mount of w's domain (report's
+// check), counted once the Remote takes it.
+func (w *domainWorker) unchanged(m *Unchanged) error {
+	if !w.super.Serves(m.Mount) {
+		return fmt.Errorf("the worker of domain %s reported mount %q, which is not of its domain", w.domain.Name, m.Mount)
+	}
+	if w.m.remote.HandleUnchanged(w.domain.Name, m) {
+		w.super.unchanged.Add(1)
+	}
 	return nil
 }

@@ -74,6 +74,9 @@ type Supervisor struct {
 	// the goroutine that reads the worker, and must not block.
 	OnPayload func(*Payload)
 	OnMessage func(Message) error
+	// OnStart, when set, returns the messages a worker is sent at each
+	// start, after its configuration (Remote.StartMessages).
+	OnStart func() []Message
 	// OnIdle, when set, is called on the same goroutine whenever the
 	// messages the worker sent so far are handled and the next is not in
 	// yet: one call for the messages of one write, so that their reader
@@ -98,6 +101,9 @@ type Supervisor struct {
 	Log *slog.Logger
 
 	starts, refusals atomic.Uint64
+	// payloads counts the payloads taken whole, unchanged those taken
+	// as Unchanged (Remote.HandleUnchanged).
+	payloads, unchanged atomic.Uint64
 
 	mu sync.Mutex
 	// cfg is the configuration a worker is given when it starts; seq
@@ -127,6 +133,10 @@ type WorkerState struct {
 	Since time.Time
 	// Starts and Refusals are Supervisor.Starts and Supervisor.Refusals.
 	Starts, Refusals uint64
+	// Payloads counts the payloads its workers sent that were taken
+	// whole; Unchanged those taken as an Unchanged, a digest equal to the
+	// content on disk (OnDisk), which did not cross.
+	Payloads, Unchanged uint64
 	// LastEnd says why the last worker ended, "" while the first runs. It
 	// may quote what a worker sent: escape it before showing it
 	// (untrusted.Escape).
@@ -137,7 +147,8 @@ type WorkerState struct {
 func (s *Supervisor) State() WorkerState {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	st := WorkerState{Since: s.since, Starts: s.starts.Load(), Refusals: s.refusals.Load(), LastEnd: s.lastEnd}
+	st := WorkerState{Since: s.since, Starts: s.starts.Load(), Refusals: s.refusals.Load(), LastEnd: s.lastEnd,
+		Payloads: s.payloads.Load(), Unchanged: s.unchanged.Load()}
 	if s.worker != nil {
 		st.PID = s.worker.Process.Pid
 	}
@@ -371,6 +382,9 @@ func (s *Supervisor) runOnce(ctx context.Context) (restarted bool, _ error) {
 	l := &link{wake: make(chan struct{}, 1), done: make(chan struct{}), mounts: s.cfg.Mounts, breach: make(chan error, 1),
 		applies: map[uint32]bool{s.seq: true}}
 	l.queue = configMessages(s.cfg, s.seq)
+	if s.OnStart != nil {
+		l.queue = append(l.queue, s.OnStart()...)
+	}
 	for _, m := range l.queue {
 		l.queued += sizeOf(m)
 	}

@@ -163,8 +163,11 @@ func (s *Supervisor) read(r io.Reader, l *link) error {
 			if err != nil {
 				return err
 			}
-			if p != nil && s.OnPayload != nil {
-				s.OnPayload(p)
+			if p != nil {
+				s.payloads.Add(1)
+				if s.OnPayload != nil {
+					s.OnPayload(p)
+				}
 			}
 		case *Applied:
 			if err := s.applied(l, m); err != nil {

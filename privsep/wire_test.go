@@ -98,6 +98,7 @@ func TestRoundTrip(t *testing.T) {
 		&Applied{Seq: 9, Err: "no"},
 		&Reread{Name: "/etc/kvmount/token"},
 		&Posted{Seq: 3, Err: "webhook 127.0.0.1:8080: 503 Service Unavailable"},
+		&Unchanged{Mount: "app", Generation: 7, Digest: strings.Repeat("ab", 32), Size: 7500},
 	}
 	fromMonitor := []Message{
 		&Credential{Name: "/etc/kvmount/token", Value: []byte("s3cret"), Err: ""},
@@ -105,6 +106,7 @@ func TestRoundTrip(t *testing.T) {
 		&Apply{Seq: 9, Config: "/etc/kvmount/kvmount.toml"},
 		&Post{Seq: 3, URL: "http://127.0.0.1:8080/hook", Target: "127.0.0.1:8080", Header: []string{"Authorization", "Bearer t"}, Body: []byte(`{"mount":"app"}`), Timeout: 10 * time.Second},
 		&Resend{Mount: "app"},
+		&OnDisk{Mount: "app", Digest: strings.Repeat("ab", 32), UID: 0, GID: 998},
 	}
 	for _, dir := range []struct {
 		from Side

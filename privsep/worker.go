@@ -107,13 +107,17 @@ type MonitorHandlers struct {
 	// Resend sends a mount's payload again; it is called on Serve's
 	// goroutine and must not block.
 	Resend func(mount string)
+	// OnDisk takes the digest of what a mount holds on disk, and the
+	// owner of its files (OnDisk); it is called on Serve's goroutine and
+	// must not block. Nil drops it: every payload is then sent whole.
+	OnDisk func(m *OnDisk)
 }
 
 // Serve decodes the monitor's messages until the stream ends, and returns
 // why (io.EOF, or the decoder's error): Inputs are gathered until an
 // Apply, which is handed to h.Apply with them; Credentials go to the
 // reads waiting for them (Files); each Post is handed to h.Post, each
-// Resend to h.Resend.
+// Resend to h.Resend, each OnDisk to h.OnDisk.
 func (l *MonitorLink) Serve(ctx context.Context, h MonitorHandlers) error {
 	d := NewDecoder(l.r, FromMonitor)
 	inputs := map[string][]byte{}
@@ -134,6 +138,10 @@ func (l *MonitorLink) Serve(ctx context.Context, h MonitorHandlers) error {
 			go h.Post(ctx, m)
 		case *Resend:
 			h.Resend(m.Mount)
+		case *OnDisk:
+			if h.OnDisk != nil {
+				h.OnDisk(m)
+			}
 		}
 	}
 }

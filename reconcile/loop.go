@@ -104,7 +104,7 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	}
 	for _, op := range ops {
 		d := dsw[op.Mount]
-		if (op.Kind == Setup || op.Kind == Remount) && d.Payload == nil {
+		if (op.Kind == Setup || op.Kind == Remount) && d.Payload == nil && !keepable(d, r.asw.Mounts[op.Mount]) {
 			// Released once written (Releaser), and needed again: drift
 			// to repair. The payload is asked for; its arrival wakes
 			// the loop, and the mount is remounted then.

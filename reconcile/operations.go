@@ -52,9 +52,13 @@ type result struct {
 	version    string
 	collectAt  time.Time
 	payload    projector.Payload
-	change     projector.Change
-	adoption   projector.Adoption
-	drift      error
+	// files and bytes are what the mount holds after a setup or a
+	// remount: the payload's, or the version's kept (keep).
+	files    int
+	bytes    int64
+	change   projector.Change
+	adoption projector.Adoption
+	drift    error
 	// unrepaired is set when a verification found drift that it could
 	// not repair for want of the payload, released (Releaser).
 	unrepaired bool
@@ -73,6 +77,12 @@ func (r *Reconciler) execute(op Op, d *DesiredMount, a ActualMount, rt *runtime)
 	switch op.Kind {
 	case Setup, Remount:
 		res.spec, res.generation, res.revision, res.payload = d.Spec, d.Generation, d.Revision, d.Payload
+		if d.Payload == nil {
+			// Released, and the version on disk holds it (keepable).
+			res.files, res.bytes, res.err = r.keep(op.Mount, d.Spec, rt, d.Digest)
+			break
+		}
+		res.files, res.bytes = len(d.Payload), d.Payload.Size()
 		res.change, res.err = r.project(op.Mount, d.Spec, rt, d.Payload)
 	case Teardown:
 		res.err = r.teardown(op.Mount, a, rt)
@@ -124,7 +134,7 @@ func (r *Reconciler) project(name string, spec *config.Mount, rt *runtime, paylo
 			return projector.Change{}, err
 		}
 	}
-	if err := holdBack(spec, payload, rt.writer.Files()); err != nil {
+	if err := holdBack(spec, len(payload), rt.writer.Files()); err != nil {
 		return projector.Change{}, err
 	}
 	rt.writer.SetCheck(checkCommand(r.opCtx, spec, r.log), spec.CheckUID)
@@ -161,13 +171,13 @@ func (e *HeldBackError) Error() string {
 	return fmt.Sprintf("mount %q: update held back: %s", e.Mount, e.Reason)
 }
 
-// holdBack returns a *HeldBackError when spec's guard rails refuse payload
-// over a mount that holds files files.
-func holdBack(spec *config.Mount, payload projector.Payload, files int) error {
+// holdBack returns a *HeldBackError when spec's guard rails refuse a
+// payload of n files over a mount that holds files files.
+func holdBack(spec *config.Mount, n, files int) error {
 	switch {
-	case len(payload) < spec.MinKeys:
-		return &HeldBackError{Mount: spec.Name, Guard: "min_keys", Reason: fmt.Sprintf("the payload has %d files, fewer than min_keys (%d)", len(payload), spec.MinKeys)}
-	case len(payload) == 0 && files > 0 && !spec.AllowEmpty:
+	case n < spec.MinKeys:
+		return &HeldBackError{Mount: spec.Name, Guard: "min_keys", Reason: fmt.Sprintf("the payload has %d files, fewer than min_keys (%d)", n, spec.MinKeys)}
+	case n == 0 && files > 0 && !spec.AllowEmpty:
 		return &HeldBackError{Mount: spec.Name, Guard: "allow_empty", Reason: fmt.Sprintf("an empty payload would replace %d files; set allow_empty = true to allow it", files)}
 	}
 	return nil

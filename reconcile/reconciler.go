@@ -170,6 +170,13 @@ type Releaser interface {
 	// returns when to ask again if it has not come by then, zero when
 	// there is nothing to ask.
 	Fetch(mount string, now time.Time) time.Time
+	// OnDisk tells the Desired the digest (projector.Payload.Digest) of
+	// the content each owned mount holds on disk, from its version's
+	// manifest (projector.PeekDigest), by mount, once New has read them:
+	// a payload found equal to it need not be sent, and comes as a
+	// released desired mount of that Digest, which the reconciler keeps
+	// without its bytes once the adoption confirms it.
+	OnDisk(digests map[string]string)
 }
 
 // ReloadConfig is what a reload changes.
@@ -225,6 +232,15 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 		})
 	}
 	peeks.Wait()
+	if rel, ok := pop.(Releaser); ok {
+		digests := make(map[string]string, len(r.asw.Mounts))
+		for name, a := range r.asw.Mounts {
+			if a.DiskDigest != "" {
+				digests[name] = a.DiskDigest
+			}
+		}
+		rel.OnDisk(digests)
+	}
 	r.opCtx, r.opCancel = context.WithCancel(context.Background())
 	return r
 }
@@ -383,6 +399,15 @@ func (r *Reconciler) apply(res result) {
 		// did not happen: the mount is kvmount's to tear down.
 		r.asw.Mounts[name] = &ActualMount{Dir: res.spec.Dir, Medium: res.spec.Medium, Version: res.version, CollectAt: res.collectAt}
 	}
+	if errors.Is(res.err, projector.ErrNotKept) {
+		// The version on disk is not the released payload's after all
+		// (keep): its bytes are needed. The next pass asks for them.
+		if a := r.asw.Mounts[name]; a != nil {
+			a.DiskDigest = ""
+		}
+		log.Debug("the version on disk does not hold the payload; asking for it", "err", res.err)
+		return
+	}
 	var held *HeldBackError
 	if errors.As(res.err, &held) {
 		r.asw.HeldBack[name] = &HeldBack{Generation: res.generation, Err: res.err}
@@ -444,7 +469,7 @@ func (r *Reconciler) apply(res result) {
 				"duration", res.duration)
 		}
 		r.opts.Observer.Observe(ProjectedEvent{Mount: name, Dir: res.spec.Dir, Medium: res.spec.Medium, Op: res.op.Kind.String(),
-			Revision: res.revision, Version: res.version, Change: res.change, Files: len(res.payload), Bytes: res.payload.Size(),
+			Revision: res.revision, Version: res.version, Change: res.change, Files: res.files, Bytes: res.bytes,
 			Duration: res.duration, Time: now})
 	case Teardown:
 		a := r.asw.Mounts[name]

@@ -1,6 +1,13 @@
 package reconcile
 
-import "time"
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvmount/kvmount/config"
+	"github.com/kvmount/kvmount/fsutil"
+)
 
 // A payload written is released where the Desired is a Releaser (the
 // monitor's, whose worker holds the snapshots it was built from): the
@@ -82,4 +89,49 @@ func (r *Reconciler) release(mount string, generation uint64) {
 	if rel.Release(mount, generation, rt.writer.Digest()) {
 		rt.written, rt.released = nil, true
 	}
+}
+
+// A restart's payloads need not cross at all where the version on disk
+// holds them: the Desired (Releaser) is told each owned mount's digest
+// from its manifest's head (Releaser.OnDisk), and a payload found equal
+// comes as released at that digest. keep then takes the version as
+// written once the adoption has matched its manifest against the disk
+// (one fstat per file), and its bytes are read back by the background
+// verification, as after any adoption from a manifest.
+
+// keepable reports whether d, released, can be kept without its payload
+// (keep): the mount is as a previous run left it — adopted at the start,
+// no generation written by this run, not found drifted — and its
+// manifest's head records the digest the Desired gives.
+func keepable(d *DesiredMount, a *ActualMount) bool {
+	return d.Released && d.Payload == nil && d.Digest != "" && a != nil && a.Generation == 0 && !a.RemountRequired && a.DiskDigest == d.Digest
+}
+
+// keep takes mount name's version on disk as the projection of the
+// released payload of digest, opening (and adopting) its directory first
+// if needed, and returns the files and bytes it holds. The guard rails
+// that weigh a payload by its files (min_keys) apply as to a write of it.
+// It returns an error wrapping projector.ErrNotKept when the version is
+// not known to hold that payload — the adoption found drift, or another
+// digest —: the payload is then fetched and written (pass).
+func (r *Reconciler) keep(name string, spec *config.Mount, rt *runtime, digest string) (files int, bytes int64, err error) {
+	if rt.writer == nil {
+		if err := r.open(name, spec, rt); err != nil {
+			return 0, 0, err
+		}
+	}
+	files, bytes = rt.writer.Files(), rt.writer.Size()
+	if err := holdBack(spec, files, files); err != nil {
+		return 0, 0, err
+	}
+	if err := rt.writer.Keep(digest); err != nil {
+		if errors.Is(err, fsutil.ErrReplaced) {
+			// As project: the next attempt opens it anew.
+			rt.writer.Close()
+			rt.writer = nil
+		}
+		return 0, 0, fmt.Errorf("mount %q: %w", name, err)
+	}
+	rt.written, rt.released = nil, true
+	return files, bytes, nil
 }

@@ -41,6 +41,8 @@ func (p *releasing) Fetch(mount string, now time.Time) time.Time {
 	return now.Add(100 * time.Millisecond)
 }
 
+func (p *releasing) OnDisk(map[string]string) {}
+
 func (p *releasing) counts() (released, fetched int) {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -160,6 +160,9 @@ func (r *Reconciler) classify(op Op, d *DesiredMount, a *ActualMount) opClass {
 // desiredDigest returns the digest of d's payload, computed once per
 // generation.
 func (r *Reconciler) desiredDigest(name string, d *DesiredMount) string {
+	if d.Payload == nil {
+		return d.Digest // released: the Desired's word for it
+	}
 	if c, ok := r.digests[name]; ok && c.generation == d.Generation {
 		return c.digest
 	}

@@ -25,6 +25,11 @@ type DesiredMount struct {
 	// good (Populator.ReleasePayload: a worker that sent it to the
 	// monitor): the mount is ready, and Payload is nil.
 	Released bool
+	// Digest is a released payload's digest (projector.Payload.Digest),
+	// when the Desired knows it: a mount adopted at a restart whose
+	// version on disk holds that digest is taken as written without the
+	// payload's bytes (projector.AtomicWriter.Keep). "" otherwise.
+	Digest string
 	// Generation increases whenever Payload or Spec is rebuilt.
 	Generation uint64
 	// ChangedAt is when this generation was built: the last change, from
