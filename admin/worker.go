@@ -28,6 +28,11 @@ type WorkerStatus struct {
 	// breaking the protocol or a guard rail.
 	Starts   uint64 `json:"starts"`
 	Refusals uint64 `json:"refusals"`
+	// Payloads counts the payloads its workers sent whole; Unchanged
+	// those that did not cross because the mount held them on disk
+	// already (privsep.Unchanged: a restart, a worker started again).
+	Payloads  uint64 `json:"payloads"`
+	Unchanged uint64 `json:"payloads_unchanged"`
 	// LastEnd says why the last worker ended, if one did.
 	LastEnd string `json:"last_end,omitempty"`
 	// LandlockABI is the Landlock ABI the kernel offers the worker, 0 for
@@ -51,7 +56,7 @@ type WorkerStatus struct {
 type workerCollector struct {
 	workers                        func() []*WorkerStatus
 	up, starts, refusals, landlock *prometheus.Desc
-	seccomp                        *prometheus.Desc
+	seccomp, payloads              *prometheus.Desc
 }
 
 func newWorkerCollector(workers func() []*WorkerStatus) *workerCollector {
@@ -64,12 +69,15 @@ func newWorkerCollector(workers func() []*WorkerStatus) *workerCollector {
 			"Workers stopped for breaking the protocol or a guard rail (a path out of its mount, a payload over a limit, a malformed frame).", domain, nil),
 		landlock: prometheus.NewDesc("kvmount_worker_landlock_abi", "The Landlock ABI the kernel offers the worker; 0 when it has none.", domain, nil),
 		seccomp:  prometheus.NewDesc("kvmount_worker_seccomp", "1 when the running worker has a seccomp filter (/proc/PID/status Seccomp: 2), else 0.", domain, nil),
+		payloads: prometheus.NewDesc("kvmount_worker_payloads_total",
+			"Payloads the trust domain's workers sent that the monitor took: form=\"whole\", or form=\"unchanged\" when only the digest crossed because the mount held that payload on disk already (a restart, a worker started again).",
+			[]string{"domain", "form"}, nil),
 	}
 }
 
 // Describe implements prometheus.Collector.
 func (c *workerCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.up, c.starts, c.refusals, c.landlock, c.seccomp} {
+	for _, d := range []*prometheus.Desc{c.up, c.starts, c.refusals, c.landlock, c.seccomp, c.payloads} {
 		ch <- d
 	}
 }
@@ -82,6 +90,8 @@ func (c *workerCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.refusals, prometheus.CounterValue, float64(w.Refusals), w.Domain)
 		ch <- prometheus.MustNewConstMetric(c.landlock, prometheus.GaugeValue, float64(w.LandlockABI), w.Domain)
 		ch <- prometheus.MustNewConstMetric(c.seccomp, prometheus.GaugeValue, boolValue(w.Running && w.Seccomp), w.Domain)
+		ch <- prometheus.MustNewConstMetric(c.payloads, prometheus.CounterValue, float64(w.Payloads), w.Domain, "whole")
+		ch <- prometheus.MustNewConstMetric(c.payloads, prometheus.CounterValue, float64(w.Unchanged), w.Domain, "unchanged")
 	}
 }
 

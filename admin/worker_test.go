@@ -12,7 +12,7 @@ import (
 // each request; without it neither appears.
 func TestWorkerStatus(t *testing.T) {
 	w := &WorkerStatus{Domain: "etcd", Sources: []string{"etcd"}, Mounts: []string{"app"}, Running: true, PID: 4242, UID: 61184, Starts: 1, LandlockABI: 7, Seccomp: true, NoNewPrivs: true}
-	other := &WorkerStatus{Domain: "vault", Running: true, PID: 4243, Starts: 3}
+	other := &WorkerStatus{Domain: "vault", Running: true, PID: 4243, Starts: 3, Payloads: 5, Unchanged: 995}
 	s := New(Options{Workers: func() []*WorkerStatus { c, o := *w, *other; return []*WorkerStatus{&c, &o} }})
 	h := s.Handler()
 	_, body := get(t, h, "/status")
@@ -21,7 +21,8 @@ func TestWorkerStatus(t *testing.T) {
 		t.Fatalf("/status: %v\n%s", err, body)
 	}
 	for _, want := range []string{`kvmount_worker_up{domain="etcd"} 1`, `kvmount_worker_starts_total{domain="etcd"} 1`, `kvmount_worker_refusals_total{domain="etcd"} 0`,
-		`kvmount_worker_landlock_abi{domain="etcd"} 7`, `kvmount_worker_seccomp{domain="etcd"} 1`, `kvmount_worker_starts_total{domain="vault"} 3`} {
+		`kvmount_worker_landlock_abi{domain="etcd"} 7`, `kvmount_worker_seccomp{domain="etcd"} 1`, `kvmount_worker_starts_total{domain="vault"} 3`,
+		`kvmount_worker_payloads_total{domain="vault",form="whole"} 5`, `kvmount_worker_payloads_total{domain="vault",form="unchanged"} 995`} {
 		if _, metrics := get(t, h, "/metrics"); !strings.Contains(metrics, want+"\n") {
 			t.Errorf("/metrics lacks %q", want)
 		}

@@ -94,7 +94,7 @@ func (m *monitor) workerStatus(dw privsep.DomainWorker) *admin.WorkerStatus {
 	w := &admin.WorkerStatus{
 		Domain: dw.Domain.Name, Sources: dw.Domain.Sources, Mounts: dw.Domain.Mounts,
 		Running: st.PID != 0, PID: st.PID, UID: dw.Supervisor.Identity.UID,
-		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd,
+		Starts: st.Starts, Refusals: st.Refusals, LastEnd: st.LastEnd, Payloads: st.Payloads, Unchanged: st.Unchanged,
 		LandlockABI: m.offered.LandlockABI,
 		Warnings:    confinementWarnings(m.offered),
 		InForce:     privsep.InForce(m.offered, dw.Policy),

@@ -81,21 +81,25 @@ func TestHeapReleaseAfterBursts(t *testing.T) {
 }
 
 // TestHeapReleasedAfterWorkerResend runs the daemon with a real worker and
-// more mounts than a burst: after the cold start's burst, a worker killed
-// and started again sends every mount's payload anew, equal to the one
-// projected — no switch — and the monitor gives the heap back after that
-// burst too; so does the new worker, after the burst it sent.
+// more mounts than a burst: after the cold start's burst the monitor gives
+// its heap back. A worker killed and started again is given the digest of
+// what each mount holds (privsep.OnDisk) and sends its payloads, equal to
+// the ones projected, as Unchanged: none crosses whole, so the monitor
+// takes no burst of payloads to give back (before, it took every one and
+// gave the heap back after them), and the mounts stay current. The new
+// worker gives its own heap back after the burst it built.
 func TestHeapReleasedAfterWorkerResend(t *testing.T) {
 	h := newHarness(t)
 	h.heapQuiet = time.Second // the monitor's; the worker's is burstQuiet
 	var mounts strings.Builder
-	for i := range burstWrites + 6 {
+	const n = burstWrites + 6
+	for i := range n {
 		h.put(fmt.Sprintf("/apps/m%02d/app.conf", i), "v1")
 		mounts.WriteString(h.mount(fmt.Sprintf("m%02d", i), fmt.Sprintf("/apps/m%02d/", i)))
 	}
 	h.writeConfig(mounts.String())
 	h.start()
-	last := h.path("mnt", fmt.Sprintf("m%02d", burstWrites+5))
+	last := h.path("mnt", fmt.Sprintf("m%02d", n-1))
 	h.waitContent(last, map[string]string{"app.conf": "v1"})
 	const released = "returned the free heap memory to the system after a burst"
 	byMonitor := func() int { return h.logs.Count(released) - h.logs.Count(released, "from=worker") }
@@ -112,12 +116,21 @@ func TestHeapReleasedAfterWorkerResend(t *testing.T) {
 		t.Fatalf("the first worker released its heap %d times within burstQuiet of its payloads", n)
 	}
 	second := workerPID(t, h, 2)
-	for deadline := time.Now().Add(waitTimeout); byMonitor() < 2; time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(waitTimeout); ; time.Sleep(20 * time.Millisecond) {
+		w := workerStatus(t, h)
+		if w.Unchanged == n {
+			if w.Payloads != n {
+				t.Errorf("%d payloads taken whole; want %d, the cold start's alone", w.Payloads, n)
+			}
+			break
+		}
 		if time.Now().After(deadline) {
-			t.Fatal("the monitor did not release its heap after the new worker's payloads")
+			t.Fatalf("the new worker sent %d payloads as Unchanged and %d whole in all; want %d Unchanged", w.Unchanged, w.Payloads, n)
 		}
 	}
 	h.waitContent(last, map[string]string{"app.conf": "v1"})
+	h.put(fmt.Sprintf("/apps/m%02d/app.conf", n-1), "v2")
+	h.waitContent(last, map[string]string{"app.conf": "v2"})
 	// The new worker's own release, burstQuiet after its payloads (the
 	// first was killed before its own).
 	for deadline := time.Now().Add(burstQuiet + waitTimeout); h.logs.Count(released, "from=worker") == 0; time.Sleep(50 * time.Millisecond) {

@@ -93,3 +93,55 @@ func TestWorkerWithholdsPayload(t *testing.T) {
 	h.waitContent(dir, map[string]string{"app.conf": "v1"})
 	h.waitLog("repaired drift", "mount=app")
 }
+
+// TestRestartSendsUnchangedPayloads: at a restart, a payload equal to what
+// its mount holds on disk does not cross from the worker — its digest
+// does (privsep.Unchanged) — and the version on disk is kept, not
+// rewritten. A mount changed in the store while kvmount was down crosses
+// whole and is written. One whose file was edited in place while kvmount
+// was down is found drifted — by the adoption or by the verification
+// after it — and its payload, asked for, repairs it. /status counts both
+// forms.
+func TestRestartSendsUnchangedPayloads(t *testing.T) {
+	h := newHarness(t)
+	h.put("/k/a", "1", "/k/dir/b", "2", "/c/x", "old", "/e/y", "yy")
+	h.writeConfig(h.mount("keep", "/k/") + h.mount("changed", "/c/") + h.mount("edited", "/e/"))
+	h.start()
+	keep, changed, edited := h.path("mnt", "keep"), h.path("mnt", "changed"), h.path("mnt", "edited")
+	version := h.waitContent(keep, map[string]string{"a": "1", "dir/b": "2"})
+	h.waitContent(changed, map[string]string{"x": "old"})
+	h.waitContent(edited, map[string]string{"y": "yy"})
+	before, err := os.Stat(filepath.Join(keep, "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.waitReady()
+	h.stop()
+
+	h.put("/c/x", "new")
+	if err := os.WriteFile(filepath.Join(edited, "..data", "y"), []byte("XX"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	h.start()
+	h.waitReady()
+	h.waitContent(changed, map[string]string{"x": "new"})
+	h.waitContent(edited, map[string]string{"y": "yy"})
+	if _, v := content(keep); v != version {
+		t.Errorf("..data points at %s after the restart; want %s kept", v, version)
+	}
+	if after, err := os.Stat(filepath.Join(keep, "a")); err != nil || !os.SameFile(before, after) {
+		t.Errorf("file a was written again by the restart (%v)", err)
+	}
+	_, body := unixGet(t, h.statusSocket(), "/status")
+	var st admin.Status
+	if err := json.Unmarshal([]byte(body), &st); err != nil || len(st.Workers) != 1 {
+		t.Fatalf("/status: %v\n%s", err, body)
+	}
+	// keep and edited as Unchanged; changed whole, and edited whole
+	// once asked for.
+	if w := st.Workers[0]; w.Unchanged != 2 || w.Payloads != 2 {
+		t.Errorf("the restarted daemon took %d payloads whole and %d unchanged; want 2 and 2", w.Payloads, w.Unchanged)
+	}
+	h.put("/k/a", "changed")
+	h.waitContent(keep, map[string]string{"a": "changed", "dir/b": "2"})
+}

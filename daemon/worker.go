@@ -94,6 +94,11 @@ type worker struct {
 	// (privsep.Resend), until the loop rebuilds them.
 	resendMu sync.Mutex
 	resends  map[string]bool
+	// onDisk is the digest of what each mount holds on disk, as the
+	// monitor gave it (privsep.OnDisk), until the mount's next payload:
+	// one of that digest is sent as a privsep.Unchanged instead.
+	// resendMu guards it too.
+	onDisk map[string]*privsep.OnDisk
 }
 
 // workerProcs returns the worker's GOMAXPROCS when the process would have
@@ -143,6 +148,7 @@ func RunWorker(ctx context.Context, conn *os.File, registry *source.Registry) er
 			},
 			Post:   w.post,
 			Resend: w.askResend,
+			OnDisk: w.setOnDisk,
 		})
 	}()
 	defer w.close()
@@ -199,8 +205,38 @@ func (w *worker) askResend(mount string) {
 		w.resends = map[string]bool{}
 	}
 	w.resends[mount] = true
+	// Asked for whole: the monitor needs its bytes.
+	delete(w.onDisk, mount)
 	w.resendMu.Unlock()
 	w.trigger.Fire()
+}
+
+// setOnDisk takes the monitor's word of the digest of what a mount holds
+// on disk (privsep.OnDisk), on the goroutine that reads the monitor: one
+// per mount is kept, until its next payload or a reload.
+func (w *worker) setOnDisk(m *privsep.OnDisk) {
+	w.resendMu.Lock()
+	defer w.resendMu.Unlock()
+	if w.onDisk == nil {
+		w.onDisk = map[string]*privsep.OnDisk{}
+	}
+	w.onDisk[m.Mount] = m
+}
+
+// unchangedAs returns the Unchanged that stands for d, mount name's
+// payload of size bytes, when its digest — as the monitor takes it
+// (privsep.ConfiguredDigest) — is the one the monitor gave of the mount
+// on disk; else nil. The digest given is forgotten either way: a later
+// payload crosses whole.
+func (w *worker) unchangedAs(name string, d *reconcile.DesiredMount, size int64) *privsep.Unchanged {
+	w.resendMu.Lock()
+	on := w.onDisk[name]
+	delete(w.onDisk, name)
+	w.resendMu.Unlock()
+	if on == nil || privsep.ConfiguredDigest(d.Spec, int(on.UID), int(on.GID), d.Payload) != on.Digest {
+		return nil
+	}
+	return &privsep.Unchanged{Mount: name, Generation: d.Generation, Digest: on.Digest, Size: uint64(size)}
 }
 
 // rebuildAsked has the populator build anew, from its snapshots, the
@@ -255,6 +291,12 @@ func (w *worker) apply(req applyRequest) error {
 		w.pop.WakeOnBuild(w.trigger.Fire)
 	} else if !reflect.DeepEqual(policy, w.policy) {
 		return errors.New("the configuration reaches stores outside the worker's Landlock policy; a new worker is needed")
+	} else {
+		// A reload: the monitor's digests on disk were of the mounts
+		// as they were configured; their payloads cross whole.
+		w.resendMu.Lock()
+		clear(w.onDisk)
+		w.resendMu.Unlock()
 	}
 	opened, err := openSources(w.registry, w.sources, cfg, w.log, w.link.Files())
 	if err != nil {
@@ -337,7 +379,13 @@ func (w *worker) publish() error {
 				size := d.Payload.Size()
 				w.sentTotal += size - w.sentBytes[name]
 				w.sentBytes[name] = size
-				if err := w.link.QueuePayload(st, d.Payload); err != nil {
+				if u := w.unchangedAs(name, d, size); u != nil {
+					// What the mount holds on disk already: its
+					// digest crosses, not its bytes.
+					if err := w.link.Queue(st, u); err != nil {
+						return err
+					}
+				} else if err := w.link.QueuePayload(st, d.Payload); err != nil {
 					return err
 				}
 				w.heap.Payload()
