@@ -309,6 +309,23 @@ func (r *Remote) HandleUnchanged(domain string, m *Unchanged) bool {
 	return true
 }
 
+// Kept implements reconcile.Releaser: the version on disk was kept as the
+// payload of mount's generation, taken as an Unchanged, and its files
+// hold bytes, by the version's manifest. That measure replaces the size
+// the worker claimed in what counts against max_total_size (Budget): a
+// worker that claimed less frees no room for other payloads once the
+// mount is kept.
+func (r *Remote) Kept(mount string, generation uint64, bytes int64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	rm := r.mounts[mount]
+	if rm == nil || !rm.kept || rm.desired == nil || rm.desired.Generation != generation || bytes < 0 {
+		return
+	}
+	r.held += bytes - rm.size
+	rm.size = bytes
+}
+
 // configure sets into out each file of files with owner uid and gid and
 // the mode the configuration of mount spec gives it
 // (config.Mount.FileModes); out may be files.

@@ -293,6 +293,13 @@ func TestRemoteUnchanged(t *testing.T) {
 	if got := r.mounts["app"].size; got != 1000 {
 		t.Errorf("the size claimed is held as %d bytes; want 1000, what max_total_size leaves", got)
 	}
+	// Kept, the version's measure replaces the claim: a smaller one
+	// frees room, a wrong generation changes nothing.
+	r.Kept("app", d.Generation+1, 10)
+	r.Kept("app", d.Generation, 300)
+	if got, budget := r.mounts["app"].size, r.Budget("other"); got != 300 || budget != 700 {
+		t.Errorf("kept: %d bytes held, %d left for another mount; want 300 and 700", got, budget)
+	}
 	refused(&Unchanged{Mount: "app", Generation: 1, Digest: digest}, "main")
 
 	// A worker started again is given the digest again, and keeps the

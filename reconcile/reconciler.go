@@ -177,6 +177,12 @@ type Releaser interface {
 	// released desired mount of that Digest, which the reconciler keeps
 	// without its bytes once the adoption confirms it.
 	OnDisk(digests map[string]string)
+	// Kept tells the Desired that mount's released desired state of
+	// generation was kept as the version on disk holds it, without its
+	// payload, and the bytes that version's files hold, read from its
+	// manifest: the size to count for it (max_total_size) in place of
+	// what was claimed.
+	Kept(mount string, generation uint64, bytes int64)
 }
 
 // ReloadConfig is what a reload changes.
@@ -462,6 +468,9 @@ func (r *Reconciler) apply(res result) {
 			// Adopted without reading a byte: the background
 			// verification reads them back.
 			a.VerifyDue = true
+		}
+		if res.payload == nil {
+			r.kept(name, res.generation, res.bytes)
 		}
 		if !res.change.Empty() {
 			log.Info("projected", "revision", res.revision, "version", res.version,

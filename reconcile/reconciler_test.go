@@ -28,6 +28,8 @@ type reconcilerRun struct {
 	onPass func(MountStatus)
 	// reports holds the time of every PassEvent.
 	reports []time.Time
+	// stop ends the run and waits for it (also at the test's end).
+	stop func()
 }
 
 // watchPasses calls f with every later pass's status of each mount.
@@ -46,7 +48,13 @@ func startReconciler(t *testing.T, mounts ...*config.Mount) *reconcilerRun {
 // wrap (when not nil) and a resync every resync.
 func startReconcilerWith(t *testing.T, wrap func(*Populator) Desired, resync time.Duration, mounts ...*config.Mount) *reconcilerRun {
 	t.Helper()
-	base := t.TempDir()
+	return startReconcilerIn(t, t.TempDir(), wrap, resync, mounts...)
+}
+
+// startReconcilerIn is startReconcilerWith over base, which may hold what
+// an earlier run (stopped) left: a restart.
+func startReconcilerIn(t *testing.T, base string, wrap func(*Populator) Desired, resync time.Duration, mounts ...*config.Mount) *reconcilerRun {
+	t.Helper()
 	owned, err := LoadOwned(filepath.Join(base, "state"))
 	if err != nil {
 		t.Fatal(err)
@@ -81,12 +89,16 @@ func startReconcilerWith(t *testing.T, wrap func(*Populator) Desired, resync tim
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- r.rec.Run(ctx) }()
-	t.Cleanup(func() {
-		cancel()
-		if err := <-done; err != nil {
-			t.Errorf("Run = %v", err)
-		}
-	})
+	var once sync.Once
+	r.stop = func() {
+		once.Do(func() {
+			cancel()
+			if err := <-done; err != nil {
+				t.Errorf("Run = %v", err)
+			}
+		})
+	}
+	t.Cleanup(r.stop)
 	return r
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvmount/kvmount/config"
 	"github.com/kvmount/kvmount/fsutil"
+	"github.com/kvmount/kvmount/projector"
 )
 
 // A payload written is released where the Desired is a Releaser (the
@@ -91,6 +92,15 @@ func (r *Reconciler) release(mount string, generation uint64) {
 	}
 }
 
+// kept tells the Desired, if it releases payloads, the bytes the version
+// kept for mount's generation holds (keep): its size, measured on disk,
+// is what counts against max_total_size from then on.
+func (r *Reconciler) kept(mount string, generation uint64, bytes int64) {
+	if rel, ok := r.pop.(Releaser); ok {
+		rel.Kept(mount, generation, bytes)
+	}
+}
+
 // A restart's payloads need not cross at all where the version on disk
 // holds them: the Desired (Releaser) is told each owned mount's digest
 // from its manifest's head (Releaser.OnDisk), and a payload found equal
@@ -113,7 +123,9 @@ func keepable(d *DesiredMount, a *ActualMount) bool {
 // that weigh a payload by its files (min_keys) apply as to a write of it.
 // It returns an error wrapping projector.ErrNotKept when the version is
 // not known to hold that payload — the adoption found drift, or another
-// digest —: the payload is then fetched and written (pass).
+// digest — or holds more files or bytes than the mount's max_files and
+// effective size allow now (a reload lowered them): the payload is then
+// fetched and written (pass), meeting every guard rail as a payload does.
 func (r *Reconciler) keep(name string, spec *config.Mount, rt *runtime, digest string) (files int, bytes int64, err error) {
 	if rt.writer == nil {
 		if err := r.open(name, spec, rt); err != nil {
@@ -121,6 +133,9 @@ func (r *Reconciler) keep(name string, spec *config.Mount, rt *runtime, digest s
 		}
 	}
 	files, bytes = rt.writer.Files(), rt.writer.Size()
+	if limit := spec.EffectiveMaxSize(); bytes < 0 || (spec.MaxFiles > 0 && files > spec.MaxFiles) || (limit > 0 && bytes > limit) {
+		return 0, 0, fmt.Errorf("mount %q: %d files of %d bytes against max_files %d and a size of %d: %w", name, files, bytes, spec.MaxFiles, limit, projector.ErrNotKept)
+	}
 	if err := holdBack(spec, files, files); err != nil {
 		return 0, 0, err
 	}

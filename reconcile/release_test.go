@@ -1,8 +1,10 @@
 package reconcile
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -42,6 +44,8 @@ func (p *releasing) Fetch(mount string, now time.Time) time.Time {
 }
 
 func (p *releasing) OnDisk(map[string]string) {}
+
+func (p *releasing) Kept(string, uint64, int64) {}
 
 func (p *releasing) counts() (released, fetched int) {
 	p.mu.Lock()
@@ -105,4 +109,134 @@ func TestPayloadReleasedOnceWritten(t *testing.T) {
 	pop.withhold = false
 	pop.mu.Unlock()
 	r.wait("m", "repaired", func(st MountStatus) bool { return st.Projected && len(st.Stale) == 0 && r.read("m", "a") == "3" })
+}
+
+// keeping is a Releaser over a Populator that, told the digests of what
+// the mounts hold on disk (OnDisk), gives a mount whose payload has that
+// digest as released at it, without the payload, as the monitor's Remote
+// does for a worker's Unchanged — or, lying, gives every such mount so,
+// whatever its payload, as a hostile worker could. A Fetch has the
+// payload given whole from then on.
+type keeping struct {
+	*Populator
+	lie bool
+
+	mu      sync.Mutex
+	onDisk  map[string]string
+	whole   map[string]bool
+	kept    []string
+	fetched int
+}
+
+func (k *keeping) Populate() DesiredState {
+	dsw := k.Populator.Populate()
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	out := make(DesiredState, len(dsw))
+	for name, d := range dsw {
+		out[name] = d
+		digest := k.onDisk[name]
+		switch {
+		case d == nil || digest == "" || k.whole[name]:
+		case k.lie:
+			out[name] = &DesiredMount{Spec: d.Spec, Released: true, Digest: digest, Generation: 1, Revision: "lie"}
+		case d.Payload != nil && d.Payload.Digest() == digest:
+			out[name] = &DesiredMount{Spec: d.Spec, Released: true, Digest: digest, Generation: d.Generation, ChangedAt: d.ChangedAt, Revision: d.Revision}
+		}
+	}
+	return out
+}
+
+func (k *keeping) Release(string, uint64, string) bool { return false }
+
+func (k *keeping) Fetch(mount string, now time.Time) time.Time {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.fetched++
+	k.whole[mount] = true
+	return now.Add(100 * time.Millisecond)
+}
+
+func (k *keeping) OnDisk(digests map[string]string) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.onDisk = digests
+}
+
+func (k *keeping) Kept(mount string, generation uint64, bytes int64) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.kept = append(k.kept, fmt.Sprintf("%s gen=%d bytes=%d", mount, generation, bytes))
+}
+
+func (k *keeping) counts() (kept []string, fetched int) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return slices.Clone(k.kept), k.fetched
+}
+
+// TestRestartKeepsTheVersionOnDisk: after a restart, a mount whose
+// payload comes released at the digest its manifest records is kept as
+// it is — the same version, the same inodes, the Desired told the bytes
+// the version holds — and written as ever at its next change. A Desired
+// that gives a mount so when the version holds more files than max_files
+// now allows is refused, and the payload asked for whole: a keep passes
+// the guard rails a write of it would.
+func TestRestartKeepsTheVersionOnDisk(t *testing.T) {
+	base := t.TempDir()
+	m := testMount("m", "/m/")
+	first := startReconcilerIn(t, base, nil, time.Hour, m)
+	first.publish("/m/", map[string]string{"a": "1", "b": "22"})
+	first.wait("m", "projected", projected)
+	version, err := os.Readlink(filepath.Join(m.Dir, "..data"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(filepath.Join(m.Dir, "a"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	first.stop()
+
+	k := &keeping{whole: map[string]bool{}}
+	second := startReconcilerIn(t, base, func(p *Populator) Desired { k.Populator = p; return k }, time.Hour, m)
+	second.publish("/m/", map[string]string{"a": "1", "b": "22"})
+	second.wait("m", "projected", projected)
+	if kept, fetched := k.counts(); len(kept) != 1 || !strings.HasSuffix(kept[0], "bytes=3") || fetched != 0 {
+		t.Errorf("kept %q, fetched %d times; want m kept once at 3 bytes, nothing fetched", kept, fetched)
+	}
+	if now, _ := os.Readlink(filepath.Join(m.Dir, "..data")); now != version {
+		t.Errorf("..data is %s after the restart; want %s kept", now, version)
+	}
+	if after, err := os.Stat(filepath.Join(m.Dir, "a")); err != nil || !os.SameFile(before, after) {
+		t.Errorf("a was written again (%v)", err)
+	}
+	second.publish("/m/", map[string]string{"a": "2", "b": "22"})
+	deadline := time.Now().Add(10 * time.Second)
+	for second.read("m", "a") != "2" {
+		if time.Now().After(deadline) {
+			t.Fatal("the change after the restart was never written")
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+	second.stop()
+
+	m.MaxFiles = 1
+	liar := &keeping{whole: map[string]bool{}, lie: true}
+	third := startReconcilerIn(t, base, func(p *Populator) Desired { liar.Populator = p; return liar }, time.Hour, m)
+	third.publish("/m/", map[string]string{"a": "2", "b": "22"})
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+		if _, fetched := liar.counts(); fetched > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the payload was never asked for whole")
+		}
+	}
+	if kept, _ := liar.counts(); len(kept) != 0 {
+		t.Errorf("kept %q: 2 files over max_files = 1", kept)
+	}
+	if got := third.read("m", "a") + third.read("m", "b"); got != "222" {
+		t.Errorf("the mount holds %q; want its content kept", got)
+	}
 }
