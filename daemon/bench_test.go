@@ -796,9 +796,10 @@ func processConnections(b *testing.B, pid int, port int) int {
 //     that much longer at rest (the Go runtime forces a collection every 2 minutes
 //     and gives back what lies beyond the heap's goal in the background);
 //   - pss-anon-monitor-worker-killed-MiB: the same after the restart,
-//     once its worker was killed (SIGKILL) and the next one sent every
-//     mount's payload again, equal to the ones it holds, taken 13 s
-//     later (8 s before 2026-11-27's third session);
+//     once its worker was killed (SIGKILL) and the next one answered
+//     every mount, equal to what it holds — as Unchanged since
+//     2026-12-03, whole before —, taken 13 s later (8 s before
+//     2026-11-27's third session);
 //
 // and fails if the restart or the worker's end rewrote an unchanged
 // mount.
