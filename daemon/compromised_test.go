@@ -105,6 +105,11 @@ var vaultAttacks = map[string]func(e *privsep.Encoder, tokenFile string){
 		e.EncodeFile("app.conf", 0o644, []byte("evil"))
 		e.Encode(&privsep.Commit{})
 	},
+	// The other domain's mount said to hold on disk what it holds
+	// (Unchanged), at a digest of its choosing.
+	"foreign_unchanged": func(e *privsep.Encoder, _ string) {
+		e.Encode(&privsep.Unchanged{Mount: "app", Generation: 9, Digest: strings.Repeat("0", 64), Size: 1})
+	},
 }
 
 // compromisedWorker is the fake worker of TestCompromisedWorker, making
@@ -181,7 +186,8 @@ func compromisedWorker(attack, tokenFile string) {
 // a mode of its own, a payload far past its mount's size, a credential
 // asked for a thousand times without reading the answers, a file the
 // configuration does not name, the other domain's credential file, a
-// payload for the other domain's mount, a flood of log lines, attributes
+// payload for the other domain's mount or its word that that mount holds
+// its payload on disk already (Unchanged), a flood of log lines, attributes
 // that stand for the monitor's, a child left holding its output — finds
 // the monitor deciding everything itself: modes from the configuration,
 // the payload refused as soon as it passes the mount's size (at its
@@ -194,7 +200,7 @@ func compromisedWorker(attack, tokenFile string) {
 // alone; a breach stops only the worker that made it. The mount keeps its
 // content throughout, and the next worker's payload is projected.
 func TestCompromisedWorker(t *testing.T) {
-	for _, attack := range []string{"mode", "oversized", "credential_flood", "unknown_file", "foreign_file", "foreign_payload", "log_flood", "shadow", "orphan"} {
+	for _, attack := range []string{"mode", "oversized", "credential_flood", "unknown_file", "foreign_file", "foreign_payload", "foreign_unchanged", "log_flood", "shadow", "orphan"} {
 		t.Run(attack, func(t *testing.T) {
 			h := newHarness(t)
 			token := h.path("vault-token")
@@ -236,7 +242,7 @@ func TestCompromisedWorker(t *testing.T) {
 				breach("v", "the worker asked for /etc/shadow, which the configuration of its domain does not name")
 			case "foreign_file":
 				breach("main", "the worker asked for "+token+", which the configuration of its domain does not name")
-			case "foreign_payload":
+			case "foreign_payload", "foreign_unchanged":
 				breach("v", `the worker of domain v reported mount \"app\", which is not of its domain`)
 			case "log_flood":
 				h.waitLog("dropped log lines of the worker")
