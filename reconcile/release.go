@@ -124,7 +124,8 @@ func keepable(d *DesiredMount, a *ActualMount) bool {
 // It returns an error wrapping projector.ErrNotKept when the version is
 // not known to hold that payload — the adoption found drift, or another
 // digest — or holds more files or bytes than the mount's max_files and
-// effective size allow now (a reload lowered them): the payload is then
+// effective size allow now (the configuration lowered them since the
+// version was written): the payload is then
 // fetched and written (pass), meeting every guard rail as a payload does.
 func (r *Reconciler) keep(name string, spec *config.Mount, rt *runtime, digest string) (files int, bytes int64, err error) {
 	if rt.writer == nil {
