@@ -365,13 +365,17 @@ func noAdmin(b *testing.B, bin string) string {
 //
 // Each case runs kvmount ("head") side by side with the floor
 // (floor_bench_test.go: a process that only watches its key and switches
-// ..data, fsyncing on disk as kvmount does), each on its own key of the
-// same store, and alternates updates between them (which goes first
-// rotates too), so that both see the same machine at the same moments:
-// the metrics are prefixed "floor-" and "head-", and "head/floor-" gives
-// the ratio of the p50s and of the p99s. With $KVMOUNT_BENCH_BASELINE set
-// to a kvmount binary built from another commit, that binary runs beside
-// them as "baseline", and "head/baseline-" gives its ratios too.
+// ..data, fsyncing on disk as kvmount does) and the split floor (the same
+// in two processes, the watcher handing each value to a writer over a
+// socketpair: the least a privilege separation adds), each on its own key
+// of the same store, and alternates updates between them (which goes
+// first rotates too), so that all see the same machine at the same
+// moments: the metrics are prefixed "floor-", "split-floor-" and "head-";
+// "head/floor-" and "head/split-floor-" give the ratios of the p50s and
+// of the p99s, and "split-floor/floor-" the split floor's own. With
+// $KVMOUNT_BENCH_BASELINE set to a kvmount binary built from another
+// commit, that binary runs beside them as "baseline", and
+// "head/baseline-" gives its ratios too.
 func BenchmarkPutToFile(b *testing.B) {
 	baseline := os.Getenv("KVMOUNT_BENCH_BASELINE")
 	for _, s := range []struct {
@@ -381,9 +385,9 @@ func BenchmarkPutToFile(b *testing.B) {
 	}{{"etcd/disk", etcdStore, "disk"}, {"etcd/tmpfs", etcdStore, "tmpfs"}, {"consul/disk", consulStore, "disk"}, {"consul/tmpfs", consulStore, "tmpfs"}} {
 		b.Run(s.name, func(b *testing.B) {
 			store := s.store(b)
-			names := []string{"floor", "head"}
+			names := []string{"floor", "split-floor", "head"}
 			if baseline != "" {
-				names = []string{"floor", "baseline", "head"}
+				names = []string{"floor", "split-floor", "baseline", "head"}
 			}
 			sides := make([]updateSide, len(names))
 			for i, name := range names {
@@ -392,7 +396,9 @@ func BenchmarkPutToFile(b *testing.B) {
 				sides[i].store.prefix = fmt.Sprintf("%s%s/", store.prefix, name) // each its own keys
 				switch name {
 				case "floor":
-					sides[i].dir = startFloor(b, sides[i].store, store.endpoint, s.medium)
+					sides[i].dir = startFloor(b, sides[i].store, store.endpoint, s.medium, "one")
+				case "split-floor":
+					sides[i].dir = startFloor(b, sides[i].store, store.endpoint, s.medium, "split")
 				case "baseline":
 					sides[i].dir = benchDaemonWith(b, sides[i].store, 1, s.medium, benchExtras{bin: baseline})
 				default:
@@ -417,8 +423,9 @@ type updateSide struct {
 // measureSideBySide is measureUpdates for several mounts at once: each
 // iteration updates each side's one key in turn, in an order that rotates
 // by one every iteration. It reports each side's percentiles, prefixed by
-// its name, and the ratios of the last side's p50s and p99s to each other
-// side's ("head/floor-e2e-p50").
+// its name, the ratios of the last side's p50s and p99s to each other
+// side's ("head/floor-e2e-p50"), and those of the sides between to the
+// first ("split-floor/floor-e2e-p50").
 func measureSideBySide(b *testing.B, sides []updateSide) {
 	watchers := make([]*switchWatcher, len(sides))
 	order := make([]int, len(sides))
@@ -458,12 +465,18 @@ func measureSideBySide(b *testing.B, sides []updateSide) {
 		e2e[i].p99 = percentile(side.total, 0.99)
 		after[i] = report(b, side.name+"-after-commit", side.after)
 	}
+	ratios := func(of, to int) {
+		ratio := sides[of].name + "/" + sides[to].name
+		b.ReportMetric(e2e[of].p50/e2e[to].p50, ratio+"-e2e-p50")
+		b.ReportMetric(e2e[of].p99/e2e[to].p99, ratio+"-e2e-p99")
+		b.ReportMetric(after[of]/after[to], ratio+"-after-commit-p50")
+	}
 	last := len(sides) - 1
 	for i := range last {
-		ratio := sides[last].name + "/" + sides[i].name
-		b.ReportMetric(e2e[last].p50/e2e[i].p50, ratio+"-e2e-p50")
-		b.ReportMetric(e2e[last].p99/e2e[i].p99, ratio+"-e2e-p99")
-		b.ReportMetric(after[last]/after[i], ratio+"-after-commit-p50")
+		ratios(last, i)
+	}
+	for i := 1; i < last; i++ {
+		ratios(i, 0)
 	}
 }
 

@@ -1,9 +1,12 @@
 package daemon
 
 import (
+	"bufio"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,15 +31,28 @@ import (
 // reconciler. On disk it fsyncs the file, the version directory and the
 // mount directory, as kvmount's disk medium does; on tmpfs nothing.
 //
+// The split floor is the same program in two processes, as any design
+// that keeps the network out of the process that writes must be: the
+// watcher reads the store and hands each value over a socketpair to a
+// writer process, which switches the directory. The writer's end is
+// non-blocking, in Go's poller, as the monitor's end of a worker's is.
+// What it adds to the floor is what the privilege separation costs at the
+// least, with nothing of kvmount's own in it: one more process woken per
+// update, and one write and one read.
+//
 // The benchmark binary itself is the floor process, started with floorEnv
-// set to "STORE|ENDPOINT|KEY|DIR|MEDIUM" (STORE etcd or consul); TestMain
-// runs floorMain then and never returns.
+// set to "STORE|ENDPOINT|KEY|DIR|MEDIUM|FORM" (STORE etcd or consul, FORM
+// "one" or "split"); TestMain runs floorMain then and never returns. The
+// split floor's writer is the same binary again, with floorEnv set to
+// "writer|KEY|DIR|MEDIUM" and its end of the socketpair as fd 3.
 const floorEnv = "KVMOUNT_BENCH_FLOOR"
 
-// startFloor starts the floor process for store's key prefix+key-00000 in
-// a mount directory of the medium ("disk" or "tmpfs": a tmpfs is mounted
-// there), and returns the directory once it shows the key's value.
-func startFloor(b *testing.B, store benchStore, endpoint, medium string) (dir string) {
+// startFloor starts the floor process of the form ("one", or "split":
+// the watcher and the writer in two processes) for store's key
+// prefix+key-00000 in a mount directory of the medium ("disk" or "tmpfs":
+// a tmpfs is mounted there), and returns the directory once it shows the
+// key's value.
+func startFloor(b *testing.B, store benchStore, endpoint, medium, form string) (dir string) {
 	b.Helper()
 	dir = filepath.Join(b.TempDir(), "floor")
 	if err := os.Mkdir(dir, 0o755); err != nil {
@@ -57,7 +73,7 @@ func startFloor(b *testing.B, store benchStore, endpoint, medium string) (dir st
 		kind = "consul"
 	}
 	cmd := exec.Command(os.Args[0])
-	cmd.Env = append(os.Environ(), floorEnv+"="+strings.Join([]string{kind, endpoint, key, dir, medium}, "|"))
+	cmd.Env = append(os.Environ(), floorEnv+"="+strings.Join([]string{kind, endpoint, key, dir, medium, form}, "|"))
 	cmd.Stderr = os.Stderr
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
@@ -80,17 +96,28 @@ func startFloor(b *testing.B, store benchStore, endpoint, medium string) (dir st
 // SIGTERM or an error, which it prints before exiting 1.
 func floorMain(spec string) {
 	f := strings.Split(spec, "|")
-	if len(f) != 5 {
-		fmt.Fprintf(os.Stderr, "floor: %s = %q: want 5 fields\n", floorEnv, spec)
+	if f[0] == "writer" && len(f) == 4 {
+		if err := floorWriterMain(f[1], &floorWriter{dir: f[2], fsync: f[3] == "disk"}); err != nil {
+			fmt.Fprintln(os.Stderr, "floor writer:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if len(f) != 6 {
+		fmt.Fprintf(os.Stderr, "floor: %s = %q: want 6 fields\n", floorEnv, spec)
 		os.Exit(2)
 	}
-	store, endpoint, key, dir, medium := f[0], f[1], f[2], f[3], f[4]
-	w := &floorWriter{dir: dir, fsync: medium == "disk"}
+	store, endpoint, key, dir, medium, form := f[0], f[1], f[2], f[3], f[4], f[5]
+	var w switcher = &floorWriter{dir: dir, fsync: medium == "disk"}
 	var err error
-	switch store {
-	case "etcd":
+	if form == "split" {
+		w, err = startFloorWriter(key, dir, medium)
+	}
+	switch {
+	case err != nil:
+	case store == "etcd":
 		err = floorEtcd(endpoint, key, w)
-	case "consul":
+	case store == "consul":
 		err = floorConsul(endpoint, key, w)
 	default:
 		err = fmt.Errorf("unknown store %q", store)
@@ -104,7 +131,7 @@ func floorMain(spec string) {
 
 // floorEtcd reads key once, then switches w to every value its watch
 // delivers.
-func floorEtcd(endpoint, key string, w *floorWriter) error {
+func floorEtcd(endpoint, key string, w switcher) error {
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{endpoint}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		return err
@@ -134,7 +161,7 @@ func floorEtcd(endpoint, key string, w *floorWriter) error {
 
 // floorConsul follows key with blocking queries, switching w to each new
 // value.
-func floorConsul(address, key string, w *floorWriter) error {
+func floorConsul(address, key string, w switcher) error {
 	client, err := api.NewClient(&api.Config{Address: address})
 	if err != nil {
 		return err
@@ -153,6 +180,73 @@ func floorConsul(address, key string, w *floorWriter) error {
 			if err := w.switchTo(key, pair.Value); err != nil {
 				return err
 			}
+		}
+	}
+}
+
+// switcher switches the floor's directory to each new value of its key.
+type switcher interface {
+	switchTo(key string, value []byte) error
+}
+
+// floorHandOff is the split floor's watcher's end: it hands each value to
+// the writer process, framed as its length (4 bytes, big-endian) and its
+// bytes, in one write.
+type floorHandOff struct {
+	conn  *os.File
+	frame []byte
+}
+
+// startFloorWriter starts the split floor's writer process for key in dir
+// and returns the watcher's end of the socketpair to it. The writer ends
+// when that end closes, as when the watcher exits.
+func startFloorWriter(key, dir, medium string) (*floorHandOff, error) {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	mine, theirs := os.NewFile(uintptr(fds[0]), "floor watcher"), os.NewFile(uintptr(fds[1]), "floor writer")
+	defer theirs.Close()
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), floorEnv+"="+strings.Join([]string{"writer", key, dir, medium}, "|"))
+	cmd.Stderr = os.Stderr
+	cmd.ExtraFiles = []*os.File{theirs}
+	if err := cmd.Start(); err != nil {
+		mine.Close()
+		return nil, err
+	}
+	return &floorHandOff{conn: mine}, nil
+}
+
+func (h *floorHandOff) switchTo(_ string, value []byte) error {
+	h.frame = binary.BigEndian.AppendUint32(h.frame[:0], uint32(len(value)))
+	h.frame = append(h.frame, value...)
+	_, err := h.conn.Write(h.frame)
+	return err
+}
+
+// floorWriterMain is the split floor's writer: it reads the values the
+// watcher hands it on fd 3, made non-blocking so that Go's poller waits
+// for them, and switches w to each, until the watcher's end closes.
+func floorWriterMain(key string, w *floorWriter) error {
+	if err := unix.SetNonblock(3, true); err != nil {
+		return err
+	}
+	conn := bufio.NewReader(os.NewFile(3, "floor watcher"))
+	var size [4]byte
+	for {
+		if _, err := io.ReadFull(conn, size[:]); err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		value := make([]byte, binary.BigEndian.Uint32(size[:]))
+		if _, err := io.ReadFull(conn, value); err != nil {
+			return err
+		}
+		if err := w.switchTo(key, value); err != nil {
+			return err
 		}
 	}
 }
