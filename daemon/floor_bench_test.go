@@ -75,6 +75,7 @@ func startFloor(b *testing.B, store benchStore, endpoint, medium, form string) (
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), floorEnv+"="+strings.Join([]string{kind, endpoint, key, dir, medium, form}, "|"))
 	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL} // not left behind by a benchmark killed
 	if err := cmd.Start(); err != nil {
 		b.Fatal(err)
 	}
@@ -211,6 +212,7 @@ func startFloorWriter(key, dir, medium string) (*floorHandOff, error) {
 	cmd.Env = append(os.Environ(), floorEnv+"="+strings.Join([]string{"writer", key, dir, medium}, "|"))
 	cmd.Stderr = os.Stderr
 	cmd.ExtraFiles = []*os.File{theirs}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		mine.Close()
 		return nil, err
