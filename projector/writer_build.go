@@ -3,17 +3,17 @@ package projector
 import (
 	"crypto/rand"
 	"crypto/sha256"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
 	"maps"
-	"math/big"
 	"os"
 	"path"
 	"slices"
+	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -59,13 +59,22 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 	}
 	syncs := &syncBatch{}
 	defer syncs.discard() // after an error: close what is still open
-	entries := make([]manifestEntry, 0, len(payload))
-	hashes := make([]byte, 0, len(payload)*2*sha256.Size)
+	// The manifest's entries, with each file's hash and inode: for a
+	// writer that keeps none (a tmpfs mount), neither a hash nor an
+	// fstat(2) of a file written is needed.
+	var entries []manifestEntry
+	var hashes []byte
+	if w.manifests != nil {
+		entries = make([]manifestEntry, 0, len(payload))
+		hashes = make([]byte, 0, len(payload)*2*sha256.Size)
+	}
 	for _, p := range payload.Paths() {
 		f := payload[p]
 		dir, base := path.Dir(p), path.Base(p)
 		entry := entryWithoutHash(p, f)
-		hashes = appendContentHash(hashes, f.Data)
+		if w.manifests != nil {
+			hashes = appendContentHash(hashes, f.Data)
+		}
 		linked := false
 		if w.current != nil && w.current.has(p, f) {
 			if _, tried := oldDirs["."]; !tried {
@@ -89,11 +98,13 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 			// or a user's swap): write it instead.
 		}
 		if !linked {
-			if entry.Ino, err = w.writeFileAt(newDirs[dir], base, f, syncs); err != nil {
+			if entry.Ino, err = w.writeFileAt(newDirs[dir], base, f, syncs, w.manifests != nil); err != nil {
 				return "", builtVersion{}, err
 			}
 		}
-		entries = append(entries, entry)
+		if w.manifests != nil {
+			entries = append(entries, entry)
+		}
 	}
 	setContentHashes(entries, hashes)
 	if w.manifests != nil {
@@ -145,20 +156,23 @@ func (w *AtomicWriter) buildVersion(payload Payload, oldDirs dirHandles) (name s
 	if err := syncs.flush(); err != nil {
 		return "", builtVersion{}, err
 	}
-	if built.info, err = newDirs["."].Stat(); err != nil {
-		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", err)
+	var st unix.Stat_t
+	if err := unix.Fstat(int(newDirs["."].Fd()), &st); err != nil {
+		return "", builtVersion{}, fmt.Errorf("atomic writer: %w", &fs.PathError{Op: "fstat", Path: name, Err: err})
 	}
 	// Made by mkdirat in the mount directory, the version is on its file
 	// system: its identity is the mount's file system and its own inode,
 	// what fsutil.IdentOf would find with two more system calls.
-	built.ident = fsutil.Ident{FS: w.ident.FS, Ino: built.info.Sys().(*syscall.Stat_t).Ino}
+	built.dev, built.ident = st.Dev, fsutil.Ident{FS: w.ident.FS, Ino: st.Ino}
 	built.dirs = dirNames
 	return name, built, nil
 }
 
 // builtVersion identifies a version directory just built.
 type builtVersion struct {
-	info  os.FileInfo
+	// dev is the st_dev of the version directory (stat(2)): what, with
+	// ident's inode, the switch checks the name still reaches.
+	dev   uint64
 	ident fsutil.Ident
 	// dirs are the directories inside it, parents first.
 	dirs []string
@@ -331,13 +345,9 @@ func (w *AtomicWriter) handOver(name string, dirs []string) error {
 // ..<UTC time>.<random digits> and returns its name and the directory,
 // open.
 func (w *AtomicWriter) mkVersionDir() (string, *os.File, error) {
-	stamp := time.Now().UTC().Format(versionTimeLayout)
+	stamp := time.Now().UTC().AppendFormat(append(make([]byte, 0, versionNameLen), ".."...), versionTimeLayout)
 	for range 100 {
-		n, err := rand.Int(rand.Reader, big.NewInt(1_000_000_000))
-		if err != nil {
-			return "", nil, fmt.Errorf("atomic writer: %w", err)
-		}
-		name := fmt.Sprintf("..%s.%09d", stamp, n)
+		name := versionName(stamp)
 		d, err := w.mkdir(name)
 		if errors.Is(err, fs.ErrExist) {
 			continue
@@ -345,6 +355,27 @@ func (w *AtomicWriter) mkVersionDir() (string, *os.File, error) {
 		return name, d, err
 	}
 	return "", nil, fmt.Errorf("atomic writer: %s: no free version directory name", w.dir)
+}
+
+// versionNameLen is the length of a version directory's name: "..", the
+// timestamp, "." and its random suffix.
+const versionNameLen = 2 + len(versionTimeLayout) + 1 + versionSuffixLen
+
+// versionName returns stamp ("..<UTC time>") followed by "." and
+// versionSuffixLen random decimal digits from crypto/rand, so that a name is not known
+// before it is made. (crypto/rand.Read does not fail: Go 1.24 and later
+// crash the program instead.) The modulo's bias is of no concern: the
+// digits only make a name unlikely to be taken.
+func versionName(stamp []byte) string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000
+	name := append(stamp, '.') // stamp's spare capacity: it stays as it is
+	digits := strconv.AppendUint(nil, n, 10)
+	for range versionSuffixLen - len(digits) {
+		name = append(name, '0')
+	}
+	return string(append(name, digits...))
 }
 
 // mkdir creates one version directory with the writer's mode and owner,
@@ -386,9 +417,10 @@ func (w *AtomicWriter) stripInherited(d *os.File) error {
 // writeFileAt creates base in dir exclusively and without following a
 // symlink, so that it never writes through one someone planted, sets its
 // mode and owner on the open file, and returns its inode number (for the
-// manifest). With WriterOptions.Sync the file is handed to syncs, which
-// fsyncs and closes it; else it is closed here.
-func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File, syncs *syncBatch) (ino uint64, err error) {
+// manifest) when withIno is set, else 0 without an fstat(2). With
+// WriterOptions.Sync the file is handed to syncs, which fsyncs and closes
+// it; else it is closed here.
+func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File, syncs *syncBatch, withIno bool) (ino uint64, err error) {
 	// A descriptor, not an *os.File: a file of a version is written once
 	// and closed, and an *os.File is two objects and a cleanup for the
 	// runtime to run, for each of a cold start's 100,000 files.
@@ -416,15 +448,18 @@ func (w *AtomicWriter) writeFileAt(dir *os.File, base string, f File, syncs *syn
 			return 0, fmt.Errorf("atomic writer: chown %s: %w", base, err)
 		}
 	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return 0, fmt.Errorf("atomic writer: %w", err)
+	if withIno {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return 0, fmt.Errorf("atomic writer: %w", err)
+		}
+		ino = st.Ino
 	}
 	if w.opts.Sync {
 		handed = true
-		return st.Ino, syncs.addFd(fd, base)
+		return ino, syncs.addFd(fd, base)
 	}
-	return st.Ino, nil
+	return ino, nil
 }
 
 // writeAll writes data to the file fd, retrying a write that the kernel

@@ -583,3 +583,25 @@ func TestCollectedVersionReleased(t *testing.T) {
 	}
 	t.Error("the payload of a collected version is still held after 50 collections")
 }
+
+// TestVersionNamesAreOfTheirForm checks the names mkVersionDir makes:
+// each of the form isVersionName adopts, of versionNameLen bytes, and
+// their random suffixes not all the same (a stamp's spare capacity, which
+// versionName appends into, must not carry one name into the next).
+func TestVersionNamesAreOfTheirForm(t *testing.T) {
+	stamp := time.Date(2026, 12, 4, 1, 2, 3, 0, time.UTC).AppendFormat(append(make([]byte, 0, versionNameLen), ".."...), versionTimeLayout)
+	seen := map[string]bool{}
+	for range 200 {
+		name := versionName(stamp)
+		if len(name) != versionNameLen || !isVersionName(name) || !strings.HasPrefix(name, "..2026_12_04_01_02_03.") {
+			t.Fatalf("versionName = %q, not a version name of %d bytes of that stamp", name, versionNameLen)
+		}
+		seen[name] = true
+	}
+	if len(seen) < 190 {
+		t.Errorf("200 names, %d different", len(seen))
+	}
+	if string(stamp) != "..2026_12_04_01_02_03" {
+		t.Errorf("stamp changed to %q", stamp)
+	}
+}

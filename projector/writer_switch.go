@@ -42,10 +42,15 @@ func (w *AtomicWriter) switchTo(name string, built builtVersion) (switched bool,
 	return true, nil
 }
 
-// isBuilt checks that name still is the directory built.
+// isBuilt checks that name, an entry of the mount directory, still is the
+// directory built: the same device and inode, found by fstatat(2)
+// relative to the writer's handle without following a symlink. It is one
+// system call; os.Root.Lstat would make the same one after splitting the
+// path and building an os.FileInfo, twice on each write's path.
 func (w *AtomicWriter) isBuilt(name string, built builtVersion) error {
-	info, err := w.root.Lstat(name)
-	if err != nil || !os.SameFile(info, built.info) {
+	var st unix.Stat_t
+	err := unix.Fstatat(int(w.mount.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW)
+	if err != nil || st.Mode&unix.S_IFMT != unix.S_IFDIR || st.Dev != built.dev || st.Ino != built.ident.Ino {
 		return fmt.Errorf("atomic writer: %s: %w: %s (is another kvmount writing this mount?)", w.dir, ErrVersionVanished, name)
 	}
 	return nil
@@ -61,13 +66,13 @@ func (w *AtomicWriter) isBuilt(name string, built builtVersion) error {
 // write's path that the kernel's own checks make needless (rename(2) of a
 // symlink over a directory fails with EISDIR).
 func (w *AtomicWriter) pointData(name string) error {
-	err := w.root.Symlink(name, dataTmpName)
+	err := w.symlinkDataTmp(name)
 	if errors.Is(err, fs.ErrExist) {
 		// Left by an earlier switch that did not finish: removed only
 		// then, not before every switch, where it is one more system
 		// call on each write's path that finds nothing.
 		if err = w.removeDataTmp(); err == nil {
-			err = w.root.Symlink(name, dataTmpName)
+			err = w.symlinkDataTmp(name)
 		}
 	}
 	if err != nil {
@@ -85,6 +90,17 @@ func (w *AtomicWriter) pointData(name string) error {
 	if err := unix.Renameat(int(w.mount.Fd()), dataTmpName, int(w.mount.Fd()), DataDirName); err != nil {
 		_ = w.removeDataTmp()
 		return fmt.Errorf("atomic writer: %w", &os.LinkError{Op: "renameat", Old: dataTmpName, New: DataDirName, Err: err})
+	}
+	return nil
+}
+
+// symlinkDataTmp creates ..data_tmp in the mount directory, relative to
+// the writer's handle, as a symlink to name: symlinkat(2) itself, which
+// os.Root.Symlink makes after splitting the path. The error wraps
+// fs.ErrExist when ..data_tmp is there.
+func (w *AtomicWriter) symlinkDataTmp(name string) error {
+	if err := unix.Symlinkat(name, int(w.mount.Fd()), dataTmpName); err != nil {
+		return &fs.PathError{Op: "symlinkat", Path: dataTmpName, Err: err}
 	}
 	return nil
 }
