@@ -536,23 +536,22 @@ func (p *Populator) reportRejected(pm *populated, rejected []*projector.KeyError
 // reportState logs a payload error once, and every change between stale
 // and current.
 func (p *Populator) reportState(pm *populated, d *DesiredMount) {
-	log := p.log.With("mount", pm.spec.Name)
 	errText := ""
 	if d.Err != nil {
 		errText = d.Err.Error()
 	}
 	if errText != pm.reported {
 		if d.Err != nil {
-			log.Error("cannot build mount payload; keeping last content", "err", d.Err)
+			p.log.Error("cannot build mount payload; keeping last content", "mount", pm.spec.Name, "err", d.Err)
 		}
 		pm.reported = errText
 	}
 	stale := len(d.Stale) > 0
 	if stale != pm.stale {
 		if stale {
-			log.Warn("mount stale: source unreachable, keeping last content", "err", errorsText(d.Stale))
+			p.log.Warn("mount stale: source unreachable, keeping last content", "mount", pm.spec.Name, "err", errorsText(d.Stale))
 		} else {
-			log.Info("mount current: sources reachable again")
+			p.log.Info("mount current: sources reachable again", "mount", pm.spec.Name)
 		}
 		pm.stale = stale
 	}

@@ -394,7 +394,6 @@ func (r *Reconciler) apply(res result) {
 	name := res.op.Mount
 	delete(r.asw.InFlight, name)
 	delete(r.kinds, name)
-	log := r.log.With("mount", name)
 	now := time.Now()
 	r.finished(name, res.duration, now)
 	if a := r.asw.Mounts[name]; a != nil && res.op.Kind != Teardown {
@@ -411,13 +410,13 @@ func (r *Reconciler) apply(res result) {
 		if a := r.asw.Mounts[name]; a != nil {
 			a.DiskDigest = ""
 		}
-		log.Debug("the version on disk does not hold the payload; asking for it", "err", res.err)
+		r.log.Debug("the version on disk does not hold the payload; asking for it", "mount", name, "err", res.err)
 		return
 	}
 	var held *HeldBackError
 	if errors.As(res.err, &held) {
 		r.asw.HeldBack[name] = &HeldBack{Generation: res.generation, Err: res.err}
-		log.Warn("update held back; keeping last content", "revision", res.revision, "reason", held.Reason)
+		r.log.Warn("update held back; keeping last content", "mount", name, "revision", res.revision, "reason", held.Reason)
 		r.opts.Observer.Observe(HeldBackEvent{Mount: name, Guard: held.Guard, Reason: held.Reason, Revision: res.revision, Time: now})
 		return
 	}
@@ -438,7 +437,7 @@ func (r *Reconciler) apply(res result) {
 		}
 		// The next attempt comes after the backoff; a failure of the
 		// payload is tried again at the next change too.
-		log.Error("operation failed; keeping last content", "op", res.op.Kind.String(), "attempt", f.Count, "retry_in", delay,
+		r.log.Error("operation failed; keeping last content", "mount", name, "op", res.op.Kind.String(), "attempt", f.Count, "retry_in", delay,
 			"retry_on_change", f.PayloadCaused, "err", res.err)
 		r.opts.Observer.Observe(FailedEvent{Mount: name, Op: res.op.Kind.String(), Err: res.err, Guard: guardOf(res.err), Attempt: f.Count, RetryIn: delay, RetryOnChange: f.PayloadCaused, Time: now})
 		return
@@ -453,7 +452,7 @@ func (r *Reconciler) apply(res result) {
 			r.asw.Mounts[name] = a
 		}
 		if a.Drift != nil {
-			log.Warn("repaired drift", "drift", a.Drift, "duration", res.duration)
+			r.log.Warn("repaired drift", "mount", name, "drift", a.Drift, "duration", res.duration)
 			if a.Generation == res.generation {
 				// Put back as it was written, as a verification's
 				// repair is: nothing changed for readers to be told of.
@@ -473,7 +472,7 @@ func (r *Reconciler) apply(res result) {
 			r.kept(name, res.generation, res.bytes)
 		}
 		if !res.change.Empty() {
-			log.Info("projected", "revision", res.revision, "version", res.version,
+			r.log.Info("projected", "mount", name, "revision", res.revision, "version", res.version,
 				"added", len(res.change.Added), "changed", len(res.change.Changed), "removed", len(res.change.Removed),
 				"duration", res.duration)
 		}
@@ -489,7 +488,7 @@ func (r *Reconciler) apply(res result) {
 		delete(r.runtimes, name)
 		delete(r.digests, name)
 		if a != nil {
-			log.Info("torn down", "dir", a.Dir)
+			r.log.Info("torn down", "mount", name, "dir", a.Dir)
 			r.opts.Observer.Observe(TornDownEvent{Mount: name, Dir: a.Dir, Time: now})
 		}
 	case Verify:
@@ -505,11 +504,11 @@ func (r *Reconciler) apply(res result) {
 			if a != nil {
 				a.RemountRequired, a.Drift = true, res.drift
 			}
-			log.Warn("drift found; asking for the payload again to repair it", "drift", res.drift)
+			r.log.Warn("drift found; asking for the payload again to repair it", "mount", name, "drift", res.drift)
 			return
 		}
 		if res.drift != nil {
-			log.Warn("repaired drift", "drift", res.drift, "duration", res.duration)
+			r.log.Warn("repaired drift", "mount", name, "drift", res.drift, "duration", res.duration)
 			r.opts.Observer.Observe(ProjectedEvent{Mount: name, Dir: res.spec.Dir, Medium: res.spec.Medium, Op: res.op.Kind.String(),
 				Revision: res.revision, Version: res.version, Change: res.change, Files: len(res.payload), Bytes: res.payload.Size(),
 				Duration: res.duration, Time: now})
