@@ -27,6 +27,10 @@ type FeedCache interface {
 	Release(f Feed, lim source.Limits)
 	// SetSources replaces the sources.
 	SetSources(sources map[string]source.Source)
+	// TakeChanged calls fn for each feed whose state changed since the
+	// last call, and forgets them (source.Cache.TakeChanged). A change
+	// after it took them is in the next call's, and wakes the loop.
+	TakeChanged(fn func(Feed))
 }
 
 // Feed is one (source, prefix) as the populator reads it.
@@ -70,6 +74,8 @@ func limitsOf(m *config.Mount, pr config.Projection) source.Limits {
 
 func (s sourceCache) SetSources(sources map[string]source.Source) { s.c.SetSources(sources) }
 
+func (s sourceCache) TakeChanged(fn func(Feed)) { s.c.TakeChanged(func(f *source.Feed) { fn(f) }) }
+
 // Populator builds the desired state of world from the configured mounts
 // and the snapshots of their feeds (the kubelet's
 // desiredStateOfWorldPopulator). It holds one feed per projection from the
@@ -93,6 +99,20 @@ type Populator struct {
 	// the next Populate takes its result; builds counts those running.
 	wake   func()
 	builds sync.WaitGroup
+	// users maps each feed in use to its source and the mounts it feeds,
+	// and bySource each source to its feeds in use; nil until the next
+	// Populate indexes them anew (after SetMounts, or a freeze).
+	users    map[Feed]*feedUse
+	bySource map[string][]Feed
+	// due are the mounts the next Populate visits whatever their feeds
+	// did: those that Rebuild named, and those building off the loop.
+	due map[*populated]struct{}
+	// changedFeeds are the feeds TakeChanged gave this Populate, through
+	// takeChanged; sourcesOf is reportSourcesOf's scratch. Kept, so that
+	// an update allocates neither.
+	changedFeeds []Feed
+	takeChanged  func(Feed)
+	sourcesOf    map[string]sourceState
 }
 
 // sourceState is what was last reported of a source.
@@ -149,7 +169,8 @@ func NewPopulator(cache *source.Cache, log *slog.Logger) *Populator {
 // NewPopulatorFor returns a populator with no mounts, reading feeds from
 // any FeedCache, such as a test's.
 func NewPopulatorFor(cache FeedCache, log *slog.Logger) *Populator {
-	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}, observer: discardObserver{}, sources: map[string]sourceState{}}
+	return &Populator{cache: cache, log: log, mounts: map[string]*populated{}, observer: discardObserver{}, sources: map[string]sourceState{},
+		due: map[*populated]struct{}{}}
 }
 
 // SetMounts makes mounts the configured mounts. A mount whose configuration
@@ -195,7 +216,7 @@ func (p *Populator) SetMounts(mounts []*config.Mount) error {
 		}
 	}
 	p.mounts = next
-	p.dsw = nil
+	p.dsw, p.users = nil, nil
 	return nil
 }
 
@@ -229,26 +250,100 @@ func (p *Populator) Close() {
 //
 // It also tells the observer of each source whose health or newest
 // revision changed (SourceEvent), as seen by the feeds in use.
+//
+// The first call after SetMounts, or after an immutable mount froze,
+// visits every mount; the others only the mounts of the feeds that
+// changed since the last call (FeedCache.TakeChanged), those whose
+// payload builds off the loop, and those Rebuild named. At 1,000 mounts a
+// visit of every one on each update took 80–120 µs of the worker's CPU,
+// where one mount's takes 3 µs (BenchmarkPopulateOneChange).
 func (p *Populator) Populate() DesiredState {
+	if p.takeChanged == nil {
+		p.takeChanged = func(f Feed) { p.changedFeeds = append(p.changedFeeds, f) }
+	}
+	clear(p.changedFeeds)
+	p.changedFeeds = p.changedFeeds[:0]
+	p.cache.TakeChanged(p.takeChanged)
+	changedFeeds := p.changedFeeds
+	if p.dsw == nil || p.users == nil {
+		return p.populateAll()
+	}
+	for _, f := range changedFeeds {
+		if u := p.users[f]; u != nil { // else released since it changed
+			for _, pm := range u.mounts {
+				p.due[pm] = struct{}{}
+			}
+		}
+	}
+	for pm := range p.due {
+		if p.populate(pm) {
+			p.dsw[pm.spec.Name] = pm.desired
+		}
+		if !pm.building {
+			delete(p.due, pm)
+		}
+	}
+	if p.users == nil {
+		// A mount froze: its feeds were released.
+		p.reportSources()
+	} else if len(changedFeeds) > 0 {
+		p.reportSourcesOf(changedFeeds)
+	}
+	return p.dsw
+}
+
+// populateAll is Populate over every mount, after SetMounts or a freeze:
+// it indexes the mounts by feed (Populator.users) and reports every
+// source's state anew.
+func (p *Populator) populateAll() DesiredState {
 	fresh := p.dsw == nil
 	if fresh {
 		p.dsw = make(DesiredState, len(p.mounts))
 	}
+	clear(p.due)
 	changed := fresh
 	for name, pm := range p.mounts {
 		if p.populate(pm) || fresh {
 			p.dsw[name] = pm.desired
 			changed = true
 		}
+		if pm.building {
+			p.due[pm] = struct{}{}
+		}
 	}
+	p.index()
 	if changed {
 		p.reportSources()
 	}
 	return p.dsw
 }
 
+// feedUse is what the populator knows of a feed in use: its source and
+// the mounts it feeds.
+type feedUse struct {
+	source string
+	mounts []*populated
+}
+
+// index builds Populator.users and bySource from the mounts' feeds. A
+// frozen mount has none.
+func (p *Populator) index() {
+	p.users, p.bySource = map[Feed]*feedUse{}, map[string][]Feed{}
+	for _, pm := range p.mounts {
+		for i, f := range pm.feeds {
+			u := p.users[f]
+			if u == nil {
+				u = &feedUse{source: pm.spec.Projections[i].Source}
+				p.users[f] = u
+				p.bySource[u.source] = append(p.bySource[u.source], f)
+			}
+			u.mounts = append(u.mounts, pm)
+		}
+	}
+}
+
 // reportSources sends a SourceEvent for every source whose health or
-// newest revision changed since the last call.
+// newest revision changed since the last call, from every feed in use.
 func (p *Populator) reportSources() {
 	now := map[string]sourceState{}
 	errs := map[string]error{}
@@ -273,6 +368,72 @@ func (p *Populator) reportSources() {
 		}
 	}
 	p.sources = now
+}
+
+// reportSourcesOf is reportSources after only the feeds changed changed
+// state: a source none of them belongs to is as it was. A source stays
+// reachable with its newest revision at least what it was while each
+// changed feed has no error and a revision no older than the one last
+// reported (or none yet); the source's state is then the newer of the
+// two, found without reading its other feeds. Else — a feed failing or
+// recovering, a revision gone back (a source replaced on reload, a
+// Consul index reset) — every feed of that source is read, as
+// reportSources does.
+func (p *Populator) reportSourcesOf(changed []Feed) {
+	var recount []string
+	if p.sourcesOf == nil {
+		p.sourcesOf = map[string]sourceState{}
+	}
+	next := p.sourcesOf
+	defer clear(next)
+	for _, f := range changed {
+		u := p.users[f]
+		if u == nil || slices.Contains(recount, u.source) {
+			continue // released since it changed, or read below anyway
+		}
+		cur, seen := next[u.source]
+		if !seen {
+			cur = p.sources[u.source]
+		}
+		st := f.State()
+		switch {
+		case st.Err != nil || cur.err != "":
+			recount = append(recount, u.source)
+			delete(next, u.source)
+			continue
+		case st.Snapshot == nil || st.Snapshot.Revision == cur.revision:
+		case newerRevision(st.Snapshot.Revision, cur.revision):
+			cur.revision = st.Snapshot.Revision
+		default:
+			recount = append(recount, u.source)
+			delete(next, u.source)
+			continue
+		}
+		next[u.source] = cur
+	}
+	var errs map[string]error
+	for _, name := range recount {
+		cur := sourceState{}
+		for _, f := range p.bySource[name] {
+			st := f.State()
+			if st.Err != nil && cur.err == "" {
+				if errs == nil {
+					errs = map[string]error{}
+				}
+				cur.err, errs[name] = st.Err.Error(), st.Err
+			}
+			if st.Snapshot != nil && newerRevision(st.Snapshot.Revision, cur.revision) {
+				cur.revision = st.Snapshot.Revision
+			}
+		}
+		next[name] = cur
+	}
+	for name, cur := range next {
+		if prev, ok := p.sources[name]; !ok || prev != cur {
+			p.observer.Observe(SourceEvent{Source: name, Err: errs[name], Revision: cur.revision, Time: time.Now()})
+		}
+		p.sources[name] = cur
+	}
 }
 
 // newerRevision reports whether revision a is newer than b: by numeric
@@ -401,6 +562,7 @@ func (p *Populator) ReleasePayload(mount string) {
 func (p *Populator) Rebuild(mount string) {
 	if pm := p.mounts[mount]; pm != nil && !pm.frozen && pm.desired != nil {
 		pm.desired = nil
+		p.due[pm] = struct{}{}
 	}
 }
 
@@ -488,6 +650,7 @@ func (p *Populator) takeBuilt(pm *populated) bool {
 // built (the kubelet stops watching immutable ConfigMaps and Secrets).
 func (p *Populator) freeze(pm *populated) {
 	p.releaseFeeds(pm)
+	p.users = nil // indexed anew without its feeds
 	pm.feeds, pm.snapshots, pm.versions = nil, nil, nil
 	pm.frozen, pm.stale = true, false
 	pm.desired = &DesiredMount{Spec: pm.desired.Spec, Payload: pm.desired.Payload, Released: pm.desired.Released, Generation: pm.desired.Generation, Revision: pm.desired.Revision, ChangedAt: pm.desired.ChangedAt}

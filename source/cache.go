@@ -82,7 +82,7 @@ func (f *Feed) Publish(s Snapshot) {
 	f.err = nil
 	f.version++
 	f.mu.Unlock()
-	f.cache.changed()
+	f.cache.markChanged(f)
 }
 
 // Status records the source's health for the feed and wakes the cache's
@@ -96,7 +96,7 @@ func (f *Feed) Status(err error) {
 	f.err = err
 	f.version++
 	f.mu.Unlock()
-	f.cache.changed()
+	f.cache.markChanged(f)
 }
 
 type feedKey struct{ source, prefix string }
@@ -111,6 +111,40 @@ type Cache struct {
 	sources map[string]Source
 	feeds   map[feedKey]*Feed
 	closed  bool
+
+	// changedFeeds are the feeds whose state changed since the last
+	// TakeChanged, under changedMu: a lock of its own, taken by Publish
+	// and Status on the follows' goroutines, which SetSources and
+	// Release wait for while they hold mu.
+	changedMu    sync.Mutex
+	changedFeeds map[*Feed]struct{}
+}
+
+// markChanged records that f's state changed, for TakeChanged, and wakes
+// the cache's listener.
+func (c *Cache) markChanged(f *Feed) {
+	c.changedMu.Lock()
+	if c.changedFeeds == nil {
+		c.changedFeeds = map[*Feed]struct{}{}
+	}
+	c.changedFeeds[f] = struct{}{}
+	c.changedMu.Unlock()
+	c.changed()
+}
+
+// TakeChanged calls fn, without locks held, for each feed whose state
+// changed (Publish, Status) since the last call, once each, and forgets
+// them. A change recorded after it took the set wakes the listener again
+// and is in the next call's. A feed released since its change is
+// included: fn finds it unused.
+func (c *Cache) TakeChanged(fn func(*Feed)) {
+	c.changedMu.Lock()
+	taken := c.changedFeeds
+	c.changedFeeds = nil
+	c.changedMu.Unlock()
+	for f := range taken {
+		fn(f)
+	}
 }
 
 // NewCache returns an empty cache. changed is called, without locks held,
@@ -222,6 +256,11 @@ func (c *Cache) Release(f *Feed, lim Limits) {
 		cancel(ErrReleased)
 		<-done
 	}
+	// Its follow has ended: no change of it is recorded after this one
+	// is forgotten.
+	c.changedMu.Lock()
+	delete(c.changedFeeds, f)
+	c.changedMu.Unlock()
 }
 
 // Close stops every follow, waits for them, and closes every source.

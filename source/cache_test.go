@@ -259,3 +259,46 @@ func TestBoundRevision(t *testing.T) {
 		t.Error("two long revisions bound to one")
 	}
 }
+
+// TestCacheTakeChanged: TakeChanged yields each feed whose state changed
+// since the last call once, however often it changed, and not a feed that
+// did not change or whose status stayed the same; a feed released after
+// its change is forgotten with its follow.
+func TestCacheTakeChanged(t *testing.T) {
+	c := NewCache(discard, func() {})
+	c.SetSources(map[string]Source{"s": newFake("s")})
+	a, err := c.Acquire("s", "/a/", Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := c.Acquire("s", "/b/", Limits{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	waitRevision(t, a, "s")
+	waitRevision(t, b, "s")
+	take := func() map[*Feed]int {
+		got := map[*Feed]int{}
+		c.TakeChanged(func(f *Feed) { got[f]++ })
+		return got
+	}
+	if got := take(); got[a] != 1 || got[b] != 1 || len(got) != 2 {
+		t.Fatalf("after the first snapshots: %v, want a and b once each", got)
+	}
+	if got := take(); len(got) != 0 {
+		t.Fatalf("nothing changed: %v", got)
+	}
+	a.Publish(Snapshot{Revision: "2"})
+	a.Status(errors.New("boom"))
+	a.Publish(Snapshot{Revision: "3"})
+	b.Status(nil) // healthy already: no change
+	if got := take(); got[a] != 1 || len(got) != 1 {
+		t.Fatalf("a changed three times, b not: %v, want a once", got)
+	}
+	b.Publish(Snapshot{Revision: "2"})
+	c.Release(b, Limits{})
+	if got := take(); len(got) != 0 {
+		t.Fatalf("b changed, then was released: %v, want nothing", got)
+	}
+}
