@@ -362,14 +362,14 @@ func (w *AtomicWriter) mkVersionDir() (string, *os.File, error) {
 const versionNameLen = 2 + len(versionTimeLayout) + 1 + versionSuffixLen
 
 // versionName returns stamp ("..<UTC time>") followed by "." and
-// versionSuffixLen random decimal digits from crypto/rand, so that a name is not known
-// before it is made. (crypto/rand.Read does not fail: Go 1.24 and later
-// crash the program instead.) The modulo's bias is of no concern: the
-// digits only make a name unlikely to be taken.
+// versionSuffixLen random decimal digits from crypto/rand, so that a name
+// is not known before it is made. (crypto/rand.Read does not fail: Go
+// 1.24 and later crash the program instead.) The modulo's bias is of no
+// concern: the digits only make a name unlikely to be taken.
 func versionName(stamp []byte) string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000
+	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000 // 10^versionSuffixLen
 	name := append(stamp, '.') // stamp's spare capacity: it stays as it is
 	digits := strconv.AppendUint(nil, n, 10)
 	for range versionSuffixLen - len(digits) {
