@@ -369,8 +369,10 @@ const versionNameLen = 2 + len(versionTimeLayout) + 1 + versionSuffixLen
 func versionName(stamp []byte) string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000 // 10^versionSuffixLen
-	name := append(stamp, '.') // stamp's spare capacity: it stays as it is
+	// 10^versionSuffixLen; appended into stamp's spare capacity, which
+	// leaves stamp as it is.
+	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000
+	name := append(stamp, '.')
 	digits := strconv.AppendUint(nil, n, 10)
 	for range versionSuffixLen - len(digits) {
 		name = append(name, '0')
