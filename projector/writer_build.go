@@ -369,8 +369,8 @@ const versionNameLen = 2 + len(versionTimeLayout) + 1 + versionSuffixLen
 func versionName(stamp []byte) string {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
-	// 10^versionSuffixLen; appended into stamp's spare capacity, which
-	// leaves stamp as it is.
+	// At most versionSuffixLen digits; the name is appended into stamp's
+	// spare capacity, which leaves stamp as it is.
 	n := binary.LittleEndian.Uint64(b[:]) % 1_000_000_000
 	name := append(stamp, '.')
 	digits := strconv.AppendUint(nil, n, 10)
