@@ -235,9 +235,8 @@ func (p *Populator) Close() {
 // It also tells the observer of each source whose health or newest
 // revision changed (SourceEvent), as seen by the feeds in use.
 //
-// The first call after SetMounts, or after an immutable mount froze,
-// visits every mount; the others only the mounts of the feeds that
-// changed since the last call (FeedCache.TakeChanged), those whose
+// The first call after SetMounts visits every mount; the others only the
+// mounts of the feeds that changed since the last call (FeedCache.TakeChanged), those whose
 // payload builds off the loop, and those Rebuild named. At 1,000 mounts a
 // visit of every one on each update took 80–120 µs of the worker's CPU,
 // where one mount's takes 3 µs (BenchmarkPopulateOneChange).
@@ -249,7 +248,7 @@ func (p *Populator) Populate() DesiredState {
 	p.changedFeeds = p.changedFeeds[:0]
 	p.cache.TakeChanged(p.takeChanged)
 	changedFeeds := p.changedFeeds
-	if p.dsw == nil || p.users == nil {
+	if p.dsw == nil {
 		return p.populateAll()
 	}
 	for _, f := range changedFeeds {
@@ -269,6 +268,7 @@ func (p *Populator) Populate() DesiredState {
 	}
 	if p.users == nil {
 		// A mount froze: its feeds were released.
+		p.index()
 		p.reportSources()
 	} else if len(changedFeeds) > 0 {
 		p.reportSourcesOf(changedFeeds)
@@ -276,9 +276,9 @@ func (p *Populator) Populate() DesiredState {
 	return p.dsw
 }
 
-// populateAll is Populate over every mount, after SetMounts or a freeze:
-// it indexes the mounts by feed (Populator.users) and reports every
-// source's state anew.
+// populateAll is Populate over every mount, after SetMounts: it indexes
+// the mounts by feed (Populator.users) and reports every source's state
+// anew. (A Populate in which a mount froze indexes the feeds anew itself.)
 func (p *Populator) populateAll() DesiredState {
 	fresh := p.dsw == nil
 	if fresh {

@@ -40,31 +40,36 @@ func (p *Populator) index() {
 }
 
 // reportSources sends a SourceEvent for every source whose health or
-// newest revision changed since the last call, from every feed in use.
+// newest revision changed since the last call, from every feed in use
+// (the index: bySource).
 func (p *Populator) reportSources() {
-	now := map[string]sourceState{}
-	errs := map[string]error{}
-	for _, pm := range p.mounts {
-		for i, f := range pm.feeds {
-			name := pm.spec.Projections[i].Source
-			st := f.State()
-			cur := now[name]
-			if st.Err != nil && cur.err == "" {
-				cur.err = st.Err.Error()
-				errs[name] = st.Err
-			}
-			if st.Snapshot != nil && newerRevision(st.Snapshot.Revision, cur.revision) {
-				cur.revision = st.Snapshot.Revision
-			}
-			now[name] = cur
-		}
-	}
-	for name, cur := range now {
+	now := make(map[string]sourceState, len(p.bySource))
+	for name, feeds := range p.bySource {
+		cur, err := sourceStateOf(feeds)
 		if prev, ok := p.sources[name]; !ok || prev != cur {
-			p.observer.Observe(SourceEvent{Source: name, Err: errs[name], Revision: cur.revision, Time: time.Now()})
+			p.observer.Observe(SourceEvent{Source: name, Err: err, Revision: cur.revision, Time: time.Now()})
 		}
+		now[name] = cur
 	}
 	p.sources = now
+}
+
+// sourceStateOf returns a source's state from all of its feeds: failing
+// with the first failure among them, if any, and at the newest revision of
+// their snapshots. The error is that failure's.
+func sourceStateOf(feeds []Feed) (sourceState, error) {
+	var cur sourceState
+	var err error
+	for _, f := range feeds {
+		st := f.State()
+		if st.Err != nil && err == nil {
+			cur.err, err = st.Err.Error(), st.Err
+		}
+		if st.Snapshot != nil && newerRevision(st.Snapshot.Revision, cur.revision) {
+			cur.revision = st.Snapshot.Revision
+		}
+	}
+	return cur, err
 }
 
 // reportSourcesOf is reportSources after only the feeds changed changed
@@ -110,18 +115,12 @@ func (p *Populator) reportSourcesOf(changed []Feed) {
 	}
 	var errs map[string]error
 	for _, name := range recount {
-		cur := sourceState{}
-		for _, f := range p.bySource[name] {
-			st := f.State()
-			if st.Err != nil && cur.err == "" {
-				if errs == nil {
-					errs = map[string]error{}
-				}
-				cur.err, errs[name] = st.Err.Error(), st.Err
+		cur, err := sourceStateOf(p.bySource[name])
+		if err != nil {
+			if errs == nil {
+				errs = map[string]error{}
 			}
-			if st.Snapshot != nil && newerRevision(st.Snapshot.Revision, cur.revision) {
-				cur.revision = st.Snapshot.Revision
-			}
+			errs[name] = err
 		}
 		next[name] = cur
 	}
