@@ -135,8 +135,8 @@ func (c *Cache) markChanged(f *Feed) {
 // TakeChanged calls fn, without locks held, for each feed whose state
 // changed (Publish, Status) since the last call, once each, and forgets
 // them. A change recorded after it took the set wakes the listener again
-// and is in the next call's. A feed released since its change is
-// included: fn finds it unused.
+// and is in the next call's. A feed whose last use was released since
+// its change is not included: Release forgets it once its follow ended.
 func (c *Cache) TakeChanged(fn func(*Feed)) {
 	c.changedMu.Lock()
 	taken := c.changedFeeds
