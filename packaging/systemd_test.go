@@ -570,6 +570,12 @@ func TestVaultTLSRecipeOnBootedSystemd(t *testing.T) {
 		t.Errorf("/run/nginx/tls is on %s; want tmpfs", got)
 	}
 
+	// The first certificate's reload done before the one by hand: systemd
+	// merges a reload job into one of the same unit still waiting to run
+	// (job_type_allows_late_merge in systemd's src/core/job.c), and two
+	// reloads asked for together would be counted as one below.
+	c.waitFor("journalctl -u kvmount -o cat --no-pager | grep -q 'msg=notified mount=web-tls' && echo yes", "yes")
+
 	port := freePort(t)
 	c.sh(fmt.Sprintf("cat > /etc/nginx/conf.d/tls.conf <<'KVMOUNT_END'\nserver {\n    listen 127.0.0.1:%s ssl;\n    ssl_certificate /run/nginx/tls/fullchain.pem;\n    ssl_certificate_key /run/nginx/tls/private_key;\n    location / { return 200 \"ok\\n\"; }\n}\nKVMOUNT_END", port))
 	c.sh("systemctl reload nginx")
@@ -590,13 +596,20 @@ func TestVaultTLSRecipeOnBootedSystemd(t *testing.T) {
 	}
 	c.sh("systemctl stop kvmount")
 	projected := atoi(t, c.sh("journalctl -u kvmount -o cat --no-pager | grep -c 'msg=projected mount=web-tls' || true"))
+	notified := atoi(t, c.sh("journalctl -u kvmount -o cat --no-pager | grep -c 'msg=notified mount=web-tls' || true"))
 	reloads := atoi(t, c.sh("journalctl -u nginx -o cat --no-pager | grep -c '^Reloaded' || true"))
-	// Once per certificate kvmount switched in, and once by hand for the
-	// site.
-	if reloads != projected+1 {
-		t.Errorf("nginx reloaded %d times for %d certificates (and the site once); want once each", reloads, projected)
+	// Every certificate switched in had its reload, the renewals being 6 s
+	// apart: the last one may have been switched in as the service
+	// stopped, its reload cancelled.
+	if notified != projected && notified != projected-1 {
+		t.Errorf("kvmount switched in %d certificates and notified nginx of %d; want each notified", projected, notified)
 	}
-	t.Logf("nginx served %d certificates; kvmount switched in %d, nginx reloaded %d times", len(served), projected, reloads)
+	// Once per notification, and once by hand for the site; a reload
+	// cancelled as the service stopped may still have run.
+	if reloads < notified+1 || reloads > projected+1 {
+		t.Errorf("nginx reloaded %d times for %d certificates switched in, %d notified (and the site once); want once each", reloads, projected, notified)
+	}
+	t.Logf("nginx served %d certificates; kvmount switched in %d, notified %d times; nginx reloaded %d times", len(served), projected, notified, reloads)
 	if failed := c.sh("journalctl -u nginx -o cat --no-pager | grep -ci 'fail' || true"); failed != "0" {
 		t.Errorf("nginx failed %s times:\n%s", failed, c.sh("journalctl -u nginx -o cat --no-pager | tail -n 20"))
 	}
