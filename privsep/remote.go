@@ -44,6 +44,10 @@ type Remote struct {
 	// every mount was an eighth of a pass during a restart of 1,000).
 	dsw     reconcile.DesiredState
 	touched []*remoteMount
+	// changed are the mounts the last Populate put anew into dsw, and
+	// rebuilt whether it built dsw whole instead (Changed).
+	changed []string
+	rebuilt bool
 	// maxTotal is max_total_size: the payloads of every mount together
 	// stay within it (Budget).
 	maxTotal int64
@@ -286,6 +290,7 @@ func (r *Remote) Populate() reconcile.DesiredState {
 	r.mu.Lock()
 	events := r.events
 	r.events = nil
+	r.changed, r.rebuilt = r.changed[:0], r.dsw == nil
 	if r.dsw == nil {
 		r.dsw = make(reconcile.DesiredState, len(r.mounts))
 		for name, rm := range r.mounts {
@@ -303,6 +308,7 @@ func (r *Remote) Populate() reconcile.DesiredState {
 				rm.desired = r.build(rm)
 				rm.dirty = false
 				r.dsw[rm.spec.Name] = rm.desired
+				r.changed = append(r.changed, rm.spec.Name)
 			}
 		}
 	}
@@ -314,6 +320,21 @@ func (r *Remote) Populate() reconcile.DesiredState {
 		observer.Observe(ev)
 	}
 	return dsw
+}
+
+// Changed implements reconcile.ChangeReporter: the mounts the last
+// Populate put anew into the desired state, or false when it built the
+// desired state whole.
+func (r *Remote) Changed(f func(name string)) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.rebuilt {
+		return false
+	}
+	for _, name := range r.changed {
+		f(name)
+	}
+	return true
 }
 
 // build returns rm's desired mount from the worker's last reports, stale

@@ -335,3 +335,42 @@ func TestRemoteUnchanged(t *testing.T) {
 		t.Errorf("the payload fetched: %+v; want it held at generation %d", whole, d.Generation)
 	}
 }
+
+// TestRemoteChanged: Changed says the desired state was built anew after
+// SetMounts, and then names the mounts whose reports changed them, and
+// only those (reconcile.ChangeReporter).
+func TestRemoteChanged(t *testing.T) {
+	r := NewRemote()
+	mount := func(name string) *config.Mount {
+		return &config.Mount{Name: name, UID: -1, GID: -1, Projections: []config.Projection{{Source: "main"}}}
+	}
+	if err := r.SetMounts([]*config.Mount{mount("a"), mount("b"), mount("c")}); err != nil {
+		t.Fatal(err)
+	}
+	changed := func() (names []string, anew bool) {
+		t.Helper()
+		r.Populate()
+		anew = !r.Changed(func(name string) { names = append(names, name) })
+		slices.Sort(names)
+		return names, anew
+	}
+	if names, anew := changed(); !anew || names != nil {
+		t.Errorf("after SetMounts Changed names %v, built anew %v; want the desired state built anew", names, anew)
+	}
+	for _, name := range []string{"c", "a"} {
+		r.HandleMessage("main", &MountState{Mount: name, Generation: 1, Revision: "main@1"})
+		r.HandlePayload("main", &Payload{Mount: name, Revision: "main@1", Files: projector.Payload{"k": {Data: []byte(name), Mode: 0o644}}})
+	}
+	if names, anew := changed(); anew || !slices.Equal(names, []string{"a", "c"}) {
+		t.Errorf("after payloads of a and c Changed names %v, built anew %v; want [a c]", names, anew)
+	}
+	if names, anew := changed(); anew || names != nil {
+		t.Errorf("after nothing new Changed names %v, built anew %v; want none", names, anew)
+	}
+	if err := r.SetMounts([]*config.Mount{mount("a")}); err != nil {
+		t.Fatal(err)
+	}
+	if _, anew := changed(); !anew {
+		t.Error("after a reload that removed mounts Changed does not say the desired state was built anew")
+	}
+}

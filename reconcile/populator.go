@@ -113,6 +113,10 @@ type Populator struct {
 	changedFeeds []Feed
 	takeChanged  func(Feed)
 	sourcesOf    map[string]sourceState
+	// changed are the mounts the last Populate put anew into dsw, and
+	// rebuilt whether it built dsw anew instead (Changed).
+	changed []string
+	rebuilt bool
 }
 
 // populated is the populator's record of one mount.
@@ -248,6 +252,7 @@ func (p *Populator) Populate() DesiredState {
 	p.changedFeeds = p.changedFeeds[:0]
 	p.cache.TakeChanged(p.takeChanged)
 	changedFeeds := p.changedFeeds
+	p.changed, p.rebuilt = p.changed[:0], p.dsw == nil
 	if p.dsw == nil {
 		return p.populateAll()
 	}
@@ -261,6 +266,7 @@ func (p *Populator) Populate() DesiredState {
 	for pm := range p.due {
 		if p.populate(pm) {
 			p.dsw[pm.spec.Name] = pm.desired
+			p.changed = append(p.changed, pm.spec.Name)
 		}
 		if !pm.building {
 			delete(p.due, pm)
@@ -274,6 +280,19 @@ func (p *Populator) Populate() DesiredState {
 		p.reportSourcesOf(changedFeeds)
 	}
 	return p.dsw
+}
+
+// Changed implements ChangeReporter: the mounts the last Populate put
+// anew into the desired state, or false when it built the desired state
+// anew.
+func (p *Populator) Changed(f func(name string)) bool {
+	if p.rebuilt {
+		return false
+	}
+	for _, name := range p.changed {
+		f(name)
+	}
+	return true
 }
 
 // populateAll is Populate over every mount, after SetMounts: it indexes

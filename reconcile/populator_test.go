@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"slices"
 	"strconv"
@@ -373,6 +374,9 @@ func TestPopulateVisitsOnlyWhatChanged(t *testing.T) {
 		cache.feed(f.src, f.prefix).publish("10", map[string]string{fmt.Sprintf("k%d", i): "v10"})
 	}
 	dsw := p.Populate()
+	if p.Changed(func(string) {}) {
+		t.Fatal("Changed after the first Populate says some mounts changed; want the desired state built anew")
+	}
 	for step := range 2000 {
 		rebuilt := map[string]uint64{} // mount: generation before Rebuild
 		for range 1 + rng.IntN(3) {
@@ -400,7 +404,19 @@ func TestPopulateVisitsOnlyWhatChanged(t *testing.T) {
 			rev := strconv.Itoa(revs[i])
 			ff.publish(rev, map[string]string{fmt.Sprintf("k%d", i): "v" + rev})
 		}
+		before := maps.Clone(dsw)
 		dsw = p.Populate()
+		// Changed names the mounts put anew into the desired state, and
+		// only those.
+		changed := map[string]bool{}
+		if !p.Changed(func(name string) { changed[name] = true }) {
+			t.Fatalf("step %d: Changed says the desired state was built anew", step)
+		}
+		for _, m := range mounts {
+			if moved := dsw[m.Name] != before[m.Name]; moved != changed[m.Name] {
+				t.Fatalf("step %d: %s's desired mount replaced: %v; Changed names it: %v", step, m.Name, moved, changed[m.Name])
+			}
+		}
 		for m, gen := range rebuilt {
 			if dsw[m].Generation <= gen {
 				t.Fatalf("step %d: %s rebuilt, and still at generation %d", step, m, gen)

@@ -151,6 +151,21 @@ type Desired interface {
 	SetObserver(o Observer)
 }
 
+// ChangeReporter is a Desired that says which mounts its last Populate
+// changed, so that a pass of the reconciler plans those mounts alone
+// (changes.go); the Populator and privsep.Remote are. A pass over a
+// Desired that is not one plans every mount.
+type ChangeReporter interface {
+	// Changed calls f with the name of every mount whose desired mount
+	// the last Populate call put anew into the map it returned, and
+	// returns true. It returns false, without calling f, when that call
+	// built the map anew (the first, or the first after SetMounts):
+	// every mount counts as changed then, and mounts may have been added
+	// or removed. A change a Releaser's Release makes is not reported:
+	// the reconciler made it.
+	Changed(f func(name string)) bool
+}
+
 // Releaser is a Desired that need not hold a payload once it is written:
 // the monitor's (privsep.Remote), whose worker holds the snapshots the
 // payload was built from and builds it again when asked. After a
