@@ -30,7 +30,7 @@ test: fmt vet staticcheck outputs ## check formatting, vet, staticcheck, that no
 		etcd=$$(scripts/etcd-server.sh) && echo "etcd server: $$etcd" && \
 		ct=$$(scripts/consul-template.sh) && echo "consul-template: $$ct" && \
 		vault=$$(scripts/vault-server.sh) && echo "vault server: $$vault" && \
-		KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_CONSUL_TEMPLATE=$$ct KVMOUNT_VAULT=$$vault $(GO) test -race -count=1 -timeout 30m ./...
+		KVMOUNT_VERIFY_PLAN=1 KVMOUNT_CONSUL=$$bin KVMOUNT_ETCD=$$etcd KVMOUNT_CONSUL_TEMPLATE=$$ct KVMOUNT_VAULT=$$vault $(GO) test -race -count=1 -timeout 30m ./...
 
 consul-agent: ## build (once) and print the Consul agent the tests run, cached outside the repository
 	@scripts/consul-agent.sh

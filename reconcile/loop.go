@@ -66,6 +66,7 @@ func (r *Reconciler) wait(ctx context.Context, retry <-chan time.Time, resync *t
 			for _, a := range r.asw.Mounts {
 				a.VerifyDue = true
 			}
+			r.changes.markAll()
 		case pong := <-r.pings:
 			close(pong)
 		case req := <-r.adopts:
@@ -75,6 +76,7 @@ func (r *Reconciler) wait(ctx context.Context, retry <-chan time.Time, resync *t
 				r.pop.SetSources(req.cfg.Sources)
 			}
 			err := r.pop.SetMounts(req.cfg.Mounts)
+			r.changes.markAll()
 			if iv := req.cfg.ResyncInterval; err == nil && iv > 0 && iv != r.opts.ResyncInterval {
 				r.opts.ResyncInterval = iv
 				resync.Reset(iv)
@@ -90,12 +92,25 @@ func (r *Reconciler) wait(ctx context.Context, retry <-chan time.Time, resync *t
 // when the next pass is due without a wake-up (zero: not before one).
 func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	dsw := r.pop.Populate()
+	r.desiredChanged(dsw)
 	releaseAt := r.releaseDue(now)
-	r.markPending(dsw, now)
-	if !sameNames(r.names, dsw) {
-		r.names = slices.Sorted(maps.Keys(dsw))
+	names, all := r.changes.take(now)
+	if all {
+		if !sameNames(r.names, dsw) {
+			r.names = slices.Sorted(maps.Keys(dsw))
+		}
+		names = withTeardowns(r.names, dsw, r.asw)
+		r.changes.resetQuiet()
 	}
-	ops, retryAt := planSorted(withTeardowns(r.names, dsw, r.asw), dsw, r.asw, now)
+	r.markPending(dsw, names, now)
+	ops, retryAt := planSorted(names, dsw, r.asw, now, r.changes.settle)
+	r.changes.planned(all)
+	if at := r.changes.next(); !at.IsZero() && (retryAt.IsZero() || at.Before(retryAt)) {
+		retryAt = at
+	}
+	if verifyPlans {
+		r.verifyPlan(dsw, now, ops, retryAt)
+	}
 	ops, verifyAt := r.schedule(ops, dsw, now)
 	for _, at := range []time.Time{verifyAt, releaseAt} {
 		if !at.IsZero() && (retryAt.IsZero() || at.Before(retryAt)) {
@@ -129,6 +144,22 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 		}
 	}
 	return retryAt
+}
+
+// desiredChanged has the mounts whose desired state the pass's Populate
+// changed planned (ChangeReporter): every mount when the Desired does not
+// say, or when a mount it names is new or gone.
+func (r *Reconciler) desiredChanged(dsw DesiredState) {
+	cr, ok := r.pop.(ChangeReporter)
+	if !ok || !cr.Changed(func(name string) {
+		_, desired := dsw[name]
+		if _, known := slices.BinarySearch(r.names, name); desired != known {
+			r.changes.markAll()
+		}
+		r.changes.mark(name)
+	}) {
+		r.changes.markAll()
+	}
 }
 
 // reportUnreported reports the status of the last pass, if that pass left
@@ -188,9 +219,14 @@ func (r *Reconciler) applyPending() {
 }
 
 // markPending records when a projected mount's desired payload first moved
-// past the one written: the start of its quiescence (see Plan).
-func (r *Reconciler) markPending(dsw DesiredState, now time.Time) {
-	for name, a := range r.asw.Mounts {
+// past the one written: the start of its quiescence (see Plan), for the
+// mounts of names, those a pass plans (a quiet mount's is as it was).
+func (r *Reconciler) markPending(dsw DesiredState, names []string, now time.Time) {
+	for _, name := range names {
+		a := r.asw.Mounts[name]
+		if a == nil {
+			continue
+		}
 		d := dsw[name]
 		switch {
 		case d == nil || !d.Ready() || a.Generation == d.Generation:

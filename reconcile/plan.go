@@ -89,7 +89,7 @@ func (o Op) String() string { return o.Kind.String() + " " + o.Mount }
 //     first; that time is a retry time. A first setup, an adopted mount
 //     and a repair of drift do not wait.
 func Plan(dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
-	return planSorted(withTeardowns(slices.Sorted(maps.Keys(dsw)), dsw, asw), dsw, asw, now)
+	return planSorted(withTeardowns(slices.Sorted(maps.Keys(dsw)), dsw, asw), dsw, asw, now, nil)
 }
 
 // withTeardowns returns sorted (dsw's names, sorted) with the names of the
@@ -111,58 +111,78 @@ func withTeardowns(sorted []string, dsw DesiredState, asw *ActualState) []string
 }
 
 // planSorted is Plan over names: every desired and actual mount's name,
-// sorted.
-func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Time) (ops []Op, retry time.Time) {
+// sorted, or those of the mounts to plan (changes.go). settle, when not
+// nil, is told of each mount planned whether it is quiet — nothing to do,
+// and nothing until its state moves or until at (zero: no such time) —
+// or not: an operation in flight, one planned, or a setup that waits for
+// another mount to leave its directory.
+func planSorted(names []string, dsw DesiredState, asw *ActualState, now time.Time, settle func(name string, quiet bool, at time.Time)) (ops []Op, retry time.Time) {
 	var taken *takenDirs
 	for _, name := range names {
 		if asw.InFlight[name] {
-			continue
-		}
-		d, a := dsw[name], asw.Mounts[name]
-		if a != nil && now.Before(a.CollectAt) && (retry.IsZero() || a.CollectAt.Before(retry)) {
-			retry = a.CollectAt
-		}
-		op, ok := planMount(name, d, a, now)
-		if !ok {
-			continue
-		}
-		if op.Kind == Setup {
-			if taken == nil {
-				taken = newTakenDirs(asw)
-			}
-			if taken.overlaps(d.Spec.Dir) {
-				continue
-			}
-		}
-		if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == d.Generation {
-			if op, ok := idleOp(name, a, now, true); ok {
-				ops = append(ops, op)
+			if settle != nil {
+				settle(name, false, time.Time{})
 			}
 			continue
 		}
-		if due := quiescentAt(d, a); op.Kind == Remount && now.Before(due) {
-			if retry.IsZero() || due.Before(retry) {
-				retry = due
-			}
-			if op, ok := idleOp(name, a, now, true); ok {
-				ops = append(ops, op)
-			}
-			continue
+		op, ok, waits, at := planOne(name, dsw[name], asw, now, &taken)
+		if !at.IsZero() && (retry.IsZero() || at.Before(retry)) {
+			retry = at
 		}
-		if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
-			if d == nil || d.Generation == f.Generation || !f.PayloadCaused {
-				if retry.IsZero() || f.NextRetry.Before(retry) {
-					retry = f.NextRetry
-				}
-				if op, ok := idleOp(name, a, now, false); ok {
-					ops = append(ops, op)
-				}
-				continue
-			}
+		if ok {
+			ops = append(ops, op)
 		}
-		ops = append(ops, op)
+		if settle != nil {
+			settle(name, !ok && !waits, at)
+		}
 	}
 	return ops, retry
+}
+
+// planOne is planSorted's rule for one mount not in flight: its
+// operation if any (ok), whether a setup waits for another mount's
+// directory (waits), and the earliest later time at which its plan may
+// change without its state moving (zero if none). taken is built on
+// first use.
+func planOne(name string, d *DesiredMount, asw *ActualState, now time.Time, taken **takenDirs) (op Op, ok, waits bool, at time.Time) {
+	a := asw.Mounts[name]
+	if a != nil && now.Before(a.CollectAt) {
+		at = a.CollectAt
+	}
+	earliest := func(t time.Time) {
+		if at.IsZero() || t.Before(at) {
+			at = t
+		}
+	}
+	op, ok = planMount(name, d, a, now)
+	if !ok {
+		return Op{}, false, false, at
+	}
+	if op.Kind == Setup {
+		if *taken == nil {
+			*taken = newTakenDirs(asw)
+		}
+		if (*taken).overlaps(d.Spec.Dir) {
+			return Op{}, false, true, at
+		}
+	}
+	if hb := asw.HeldBack[name]; hb != nil && (op.Kind == Setup || op.Kind == Remount) && hb.Generation == d.Generation {
+		op, ok = idleOp(name, a, now, true)
+		return op, ok, false, at
+	}
+	if due := quiescentAt(d, a); op.Kind == Remount && now.Before(due) {
+		earliest(due)
+		op, ok = idleOp(name, a, now, true)
+		return op, ok, false, at
+	}
+	if f := asw.Failures[name]; f != nil && now.Before(f.NextRetry) {
+		if d == nil || d.Generation == f.Generation || !f.PayloadCaused {
+			earliest(f.NextRetry)
+			op, ok = idleOp(name, a, now, false)
+			return op, ok, false, at
+		}
+	}
+	return op, true, false, at
 }
 
 // idleOp is the operation of a projected mount whose next write must wait

@@ -110,14 +110,16 @@ type Reconciler struct {
 	readsDone bool
 	// procs raises GOMAXPROCS while setups run in bulk (procs.go).
 	procs *procs
-	// releasing counts the mounts whose payload waits to be released
+	// releasing holds the mounts whose payload waits to be released
 	// (release.go).
-	releasing int
+	releasing map[string]struct{}
 	// reported is when a pass last reported every mount's status;
 	// unreported is the desired state of the last pass if it left its
 	// status for later (statusEvery, loop.go).
 	reported   time.Time
 	unreported DesiredState
+	// changes are the mounts the next pass plans (changes.go).
+	changes *changes
 }
 
 type reloadRequest struct {
@@ -241,6 +243,8 @@ func New(pop Desired, owned *Owned, trigger Trigger, log *slog.Logger, opts Opti
 		digests:   map[string]digestAt{},
 		openFiles: openFileLimit(),
 		procs:     newProcs(log),
+		changes:   newChanges(),
+		releasing: map[string]struct{}{},
 	}
 	var peeks errgroup.Group
 	peeks.SetLimit(peekers)
@@ -327,6 +331,7 @@ func (r *Reconciler) adopt(mount string) error {
 	if err := r.forget(mount); err != nil {
 		return err
 	}
+	r.changes.markAll()
 	delete(r.asw.Failures, mount)
 	if a := r.asw.Mounts[mount]; a != nil {
 		a.RemountRequired = true
@@ -407,6 +412,7 @@ func (r *Reconciler) dispatch(op Op, d *DesiredMount) {
 // tells the observer.
 func (r *Reconciler) apply(res result) {
 	name := res.op.Mount
+	r.changes.mark(name) // planned on every pass while in flight; and after
 	delete(r.asw.InFlight, name)
 	delete(r.kinds, name)
 	now := time.Now()
@@ -497,9 +503,7 @@ func (r *Reconciler) apply(res result) {
 	case Teardown:
 		a := r.asw.Mounts[name]
 		delete(r.asw.Mounts, name)
-		if rt := r.runtimes[name]; rt != nil && !rt.releaseAt.IsZero() {
-			r.releasing--
-		}
+		delete(r.releasing, name)
 		delete(r.runtimes, name)
 		delete(r.digests, name)
 		if a != nil {

@@ -333,3 +333,30 @@ func versions(t *testing.T, dir string) int {
 	}
 	return n
 }
+
+// TestReloadSwapsTwoMountsDirectories: a reload that swaps the directories
+// of two projected mounts tears both down and sets each up in the other's
+// old directory once that one's teardown has left it — a setup that waits
+// for another mount is planned again on every pass until it starts
+// (changes.go). The passes check their plans against plans of every mount
+// (verifyPlans).
+func TestReloadSwapsTwoMountsDirectories(t *testing.T) {
+	a, b := testMount("a", "/a/"), testMount("b", "/b/")
+	r := startReconciler(t, a, b)
+	r.publish("/a/", map[string]string{"key": "of a"})
+	r.publish("/b/", map[string]string{"key": "of b"})
+	r.wait("a", "projected", projected)
+	r.wait("b", "projected", projected)
+	a2, b2 := *a, *b
+	a2.Dir, b2.Dir = b.Dir, a.Dir
+	if err := r.rec.Reload(context.Background(), ReloadConfig{Mounts: []*config.Mount{&a2, &b2}}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for r.read("b", "key") != "of a" || r.read("a", "key") != "of b" {
+		if time.Now().After(deadline) {
+			t.Fatalf("after the swap, %s holds %q and %s %q; want each the other's mount", a.Dir, r.read("a", "key"), b.Dir, r.read("b", "key"))
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}

@@ -40,10 +40,8 @@ func (r *Reconciler) wrote(mount string, generation uint64, now time.Time) {
 	}
 	hot := !rt.wroteAt.IsZero() && now.Sub(rt.wroteAt) < releaseIdle
 	rt.wroteAt = now
-	if !rt.releaseAt.IsZero() {
-		rt.releaseAt = time.Time{}
-		r.releasing--
-	}
+	rt.releaseAt = time.Time{}
+	delete(r.releasing, mount)
 	if _, ok := r.pop.(Releaser); !ok {
 		return
 	}
@@ -52,22 +50,24 @@ func (r *Reconciler) wrote(mount string, generation uint64, now time.Time) {
 		return
 	}
 	rt.releaseAt = now.Add(releaseIdle)
-	r.releasing++
+	r.releasing[mount] = struct{}{}
 }
 
 // releaseDue releases the payloads whose mounts have been idle for
 // releaseIdle by now, and returns when the next one is due (zero: none).
-// A mount with an operation in flight waits for its result.
+// A mount with an operation in flight waits for its result. It visits the
+// mounts waiting (releasing), not every mount: during a burst of updates
+// of one mount among 1,000 that is one.
 func (r *Reconciler) releaseDue(now time.Time) (next time.Time) {
-	if r.releasing == 0 {
-		return time.Time{}
-	}
-	for mount, rt := range r.runtimes {
+	for mount := range r.releasing {
+		rt := r.runtimes[mount]
 		switch {
-		case rt.releaseAt.IsZero() || r.asw.InFlight[mount]:
+		case rt == nil: // torn down
+			delete(r.releasing, mount)
+		case r.asw.InFlight[mount]:
 		case !now.Before(rt.releaseAt):
 			rt.releaseAt = time.Time{}
-			r.releasing--
+			delete(r.releasing, mount)
 			if a := r.asw.Mounts[mount]; a != nil {
 				r.release(mount, a.Generation)
 			}
@@ -88,6 +88,7 @@ func (r *Reconciler) release(mount string, generation uint64) {
 		return
 	}
 	if rel.Release(mount, generation, rt.writer.Digest()) {
+		r.changes.mark(mount) // its desired mount is one without a payload now
 		rt.written, rt.released = nil, true
 	}
 }
