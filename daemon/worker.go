@@ -75,6 +75,10 @@ type worker struct {
 	// order is the configured mounts' names, sorted once per
 	// configuration, not at every pass: the order publish reports them in.
 	order []string
+	// changed is the mounts the last Populate changed, through
+	// takeChanged (publish); kept, so that an update allocates neither.
+	changed     []string
+	takeChanged func(name string)
 	// sentBytes is the size of the payload last sent of each mount, and
 	// sentTotal their sum: what overBound weighs a new payload against,
 	// without a walk of every mount for each.
@@ -348,17 +352,32 @@ func (w *worker) forward(ev reconcile.Event) {
 
 // publish sends the state of every mount whose desired state changed, and
 // its payload when it has a new one, after the events Populate queued.
+//
+// It looks at the mounts the populator says its Populate changed
+// (reconcile.ChangeReporter), at every mount only when the populator
+// built the desired state anew: at 1,000 mounts, two walks over every
+// mount on each update took tens of µs of the worker's CPU.
 func (w *worker) publish() error {
 	dsw := w.pop.Populate()
-	for name := range w.sent {
-		if dsw[name] == nil {
-			delete(w.sent, name)
-			delete(w.payloadGen, name)
-			w.sentTotal -= w.sentBytes[name]
-			delete(w.sentBytes, name)
+	if w.takeChanged == nil {
+		w.takeChanged = func(name string) { w.changed = append(w.changed, name) }
+	}
+	w.changed = w.changed[:0]
+	names := w.order
+	if w.pop.Changed(w.takeChanged) {
+		slices.Sort(w.changed)
+		names = w.changed
+	} else {
+		for name := range w.sent {
+			if dsw[name] == nil {
+				delete(w.sent, name)
+				delete(w.payloadGen, name)
+				w.sentTotal -= w.sentBytes[name]
+				delete(w.sentBytes, name)
+			}
 		}
 	}
-	for _, name := range w.order {
+	for _, name := range names {
 		d := dsw[name]
 		if d == nil || w.sent[name] == d {
 			continue
