@@ -50,6 +50,11 @@ type changes struct {
 	// names is the sorted list of dirty mounts a pass plans; kept, so
 	// that a pass allocates none.
 	names []string
+	// planning is set during a pass that plans every mount, and held
+	// collects the mounts that pass leaves to be planned again
+	// (beginAll, endAll).
+	planning bool
+	held     []string
 }
 
 func newChanges() *changes {
@@ -67,16 +72,20 @@ func (c *changes) mark(mount string) {
 
 // take returns the mounts to plan at now, sorted, with those whose time
 // has come (quietUntil) among them; all is true when every mount is to
-// be planned instead. The mounts stay to be planned until quiet says
-// otherwise.
-func (c *changes) take(now time.Time) (names []string, all bool) {
+// be planned instead (beginAll): after markAll, or when many of the n
+// mounts are to be planned (bulk) — as in a restart, whose
+// operations wait for the first reads, where sorting a thousand names on
+// every pass cost more than planning every mount in the order the
+// reconciler keeps them in. The mounts stay to be planned until settle
+// says otherwise.
+func (c *changes) take(now time.Time, n int) (names []string, all bool) {
 	for len(c.due) > 0 && !now.Before(c.due[0].at) {
 		e := heap.Pop(&c.due).(dueAt)
 		if at, ok := c.quietUntil[e.mount]; ok && at.Equal(e.at) {
 			c.mark(e.mount)
 		}
 	}
-	if c.all {
+	if c.all || bulk(len(c.dirty), n) {
 		return nil, true
 	}
 	c.names = c.names[:0]
@@ -87,19 +96,51 @@ func (c *changes) take(now time.Time) (names []string, all bool) {
 	return c.names, false
 }
 
-// planned records that a pass planned every mount (all) and settled
-// each.
-func (c *changes) planned(all bool) {
-	if all {
-		c.all = false
+// bulk reports whether k mounts to plan of n are enough that a pass
+// plans every mount instead: a quarter of them, and at least bulkPlan.
+func bulk(k, n int) bool { return k >= bulkPlan && 4*k >= n }
+
+// bulkPlan is the fewest mounts to plan for which a pass plans every
+// mount (bulk): below it, sorting their names costs less than a plan of
+// every mount, whatever the number of mounts.
+const bulkPlan = 64
+
+// beginAll starts a pass that plans every mount: what is known of each
+// is found anew.
+func (c *changes) beginAll() {
+	clear(c.quietUntil)
+	c.due = c.due[:0]
+	clear(c.dirty)
+	c.held = c.held[:0]
+	c.planning = true
+}
+
+// endAll ends a pass that planned every mount, n of them: the mounts it
+// left to be planned again are the next pass's, unless they are many
+// (bulk) — then the next pass plans every mount too.
+func (c *changes) endAll(n int) {
+	c.planning = false
+	if bulk(len(c.held), n) {
+		c.all = true
+		return
+	}
+	c.all = false
+	for _, mount := range c.held {
+		c.dirty[mount] = struct{}{}
 	}
 }
 
 // settle records how a pass left mount (planSorted): quiet until at
 // (zero: until its state moves), or to be planned again at the next pass.
+// A mount is never both to be planned and quiet: mark and settle keep
+// dirty and quietUntil apart.
 func (c *changes) settle(mount string, quiet bool, at time.Time) {
 	if !quiet {
-		c.mark(mount)
+		if c.planning {
+			c.held = append(c.held, mount)
+		} else {
+			c.dirty[mount] = struct{}{}
+		}
 		return
 	}
 	delete(c.dirty, mount)
@@ -112,14 +153,6 @@ func (c *changes) settle(mount string, quiet bool, at time.Time) {
 	}
 	c.quietUntil[mount] = at
 	heap.Push(&c.due, dueAt{at: at, mount: mount})
-}
-
-// resetQuiet forgets every quiet mount's time, before a pass that plans
-// every mount finds them anew.
-func (c *changes) resetQuiet() {
-	clear(c.quietUntil)
-	c.due = c.due[:0]
-	clear(c.dirty)
 }
 
 // next returns the earliest time a quiet mount is to be planned again,

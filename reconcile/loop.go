@@ -94,17 +94,19 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 	dsw := r.pop.Populate()
 	r.desiredChanged(dsw)
 	releaseAt := r.releaseDue(now)
-	names, all := r.changes.take(now)
+	names, all := r.changes.take(now, len(r.names))
 	if all {
 		if !sameNames(r.names, dsw) {
 			r.names = slices.Sorted(maps.Keys(dsw))
 		}
 		names = withTeardowns(r.names, dsw, r.asw)
-		r.changes.resetQuiet()
+		r.changes.beginAll()
 	}
-	r.markPending(dsw, names, now)
+	r.markPending(dsw, names, all, now)
 	ops, retryAt := planSorted(names, dsw, r.asw, now, r.changes.settle)
-	r.changes.planned(all)
+	if all {
+		r.changes.endAll(len(names))
+	}
 	if at := r.changes.next(); !at.IsZero() && (retryAt.IsZero() || at.Before(retryAt)) {
 		retryAt = at
 	}
@@ -220,20 +222,29 @@ func (r *Reconciler) applyPending() {
 
 // markPending records when a projected mount's desired payload first moved
 // past the one written: the start of its quiescence (see Plan), for the
-// mounts of names, those a pass plans (a quiet mount's is as it was).
-func (r *Reconciler) markPending(dsw DesiredState, names []string, now time.Time) {
+// mounts of names, those a pass plans (a quiet mount's is as it was), or
+// for every projected mount (all).
+func (r *Reconciler) markPending(dsw DesiredState, names []string, all bool, now time.Time) {
+	if all {
+		for name, a := range r.asw.Mounts {
+			markPendingOne(dsw[name], a, now)
+		}
+		return
+	}
 	for _, name := range names {
-		a := r.asw.Mounts[name]
-		if a == nil {
-			continue
+		if a := r.asw.Mounts[name]; a != nil {
+			markPendingOne(dsw[name], a, now)
 		}
-		d := dsw[name]
-		switch {
-		case d == nil || !d.Ready() || a.Generation == d.Generation:
-			a.PendingSince = time.Time{}
-		case a.PendingSince.IsZero():
-			a.PendingSince = now
-		}
+	}
+}
+
+// markPendingOne is markPending for one projected mount a, desired d.
+func markPendingOne(d *DesiredMount, a *ActualMount, now time.Time) {
+	switch {
+	case d == nil || !d.Ready() || a.Generation == d.Generation:
+		a.PendingSince = time.Time{}
+	case a.PendingSince.IsZero():
+		a.PendingSince = now
 	}
 }
 

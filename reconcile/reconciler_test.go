@@ -360,3 +360,22 @@ func TestReloadSwapsTwoMountsDirectories(t *testing.T) {
 		time.Sleep(2 * time.Millisecond)
 	}
 }
+
+// TestSetupsHeldForTheFirstReads: a mount whose snapshot came first is
+// not set up while another still waits for its first one (schedule.go),
+// and both are set up once it comes — the first one's setup, planned and
+// held on the first pass, planned again on every pass until it starts
+// (changes.go), with the passes checked against plans of every mount.
+func TestSetupsHeldForTheFirstReads(t *testing.T) {
+	early, late := testMount("early", "/e/"), testMount("late", "/l/")
+	r := startReconciler(t, early, late)
+	r.publish("/e/", map[string]string{"key": "early"})
+	r.wait("early", "held for the first reads", func(st MountStatus) bool { return !st.Projected && len(st.Waiting) == 0 })
+	time.Sleep(50 * time.Millisecond)
+	if got := r.read("early", "key"); got != "" {
+		t.Fatalf("early holds %q while late waits for its first snapshot; want nothing yet", got)
+	}
+	r.publish("/l/", map[string]string{"key": "late"})
+	r.wait("early", "projected", projected)
+	r.wait("late", "projected", projected)
+}
