@@ -128,13 +128,20 @@ func BenchmarkPlanColdStart(b *testing.B) {
 }
 
 // BenchmarkUpdateOneOf1000Mounts measures one update of one mount among
-// 1,000 projected ones, through the reconciler's loop as it runs it: the
-// pass that the new snapshot's wake-up makes (which starts the remount),
-// the write itself on an executor (b.TempDir: set TMPDIR=/dev/shm for
-// tmpfs), its result applied, and the pass after it. Run with:
+// 1,000 projected ones (and, as mounts=1, of a mount alone), through the
+// reconciler's loop as it runs it: the pass that the new snapshot's
+// wake-up makes (which starts the remount), the write itself on an
+// executor (b.TempDir: set TMPDIR=/dev/shm for tmpfs), its result
+// applied, and the pass after it. Run with:
 // go test -run '^$' -bench UpdateOneOf1000Mounts ./reconcile
 func BenchmarkUpdateOneOf1000Mounts(b *testing.B) {
-	const n = 1000
+	for _, n := range []int{1, 1000} {
+		b.Run(fmt.Sprintf("mounts=%d", n), func(b *testing.B) { benchUpdateOneOf(b, n) })
+	}
+}
+
+// benchUpdateOneOf is BenchmarkUpdateOneOf1000Mounts with n mounts.
+func benchUpdateOneOf(b *testing.B, n int) {
 	cache := newFakeCache()
 	base := b.TempDir()
 	var mounts []*config.Mount
