@@ -2,6 +2,7 @@ package reconcile
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -361,21 +362,39 @@ func TestReloadSwapsTwoMountsDirectories(t *testing.T) {
 	}
 }
 
-// TestSetupsHeldForTheFirstReads: a mount whose snapshot came first is
-// not set up while another still waits for its first one (schedule.go),
-// and both are set up once it comes — the first one's setup, planned and
-// held on the first pass, planned again on every pass until it starts
-// (changes.go), with the passes checked against plans of every mount.
+// TestSetupsHeldForTheFirstReads: the mounts whose snapshots came first
+// are not set up while another still waits for its first one
+// (schedule.go), and all are set up once it comes — their setups,
+// planned and held on the passes before, planned again on every pass
+// until they start (changes.go). With one, a pass that planned every
+// mount leaves it to the next; with 100, the passes plan every mount
+// while many are held (bulk). Every pass is checked against a plan of
+// every mount.
 func TestSetupsHeldForTheFirstReads(t *testing.T) {
-	early, late := testMount("early", "/e/"), testMount("late", "/l/")
-	r := startReconciler(t, early, late)
-	r.publish("/e/", map[string]string{"key": "early"})
-	r.wait("early", "held for the first reads", func(st MountStatus) bool { return !st.Projected && len(st.Waiting) == 0 })
+	for _, early := range []int{1, 100} {
+		t.Run(fmt.Sprintf("early=%d", early), func(t *testing.T) { setupsHeldForTheFirstReads(t, early) })
+	}
+}
+
+func setupsHeldForTheFirstReads(t *testing.T, early int) {
+	var mounts []*config.Mount
+	for i := range early {
+		mounts = append(mounts, testMount(fmt.Sprintf("early%03d", i), fmt.Sprintf("/e%03d/", i)))
+	}
+	late := testMount("late", "/l/")
+	r := startReconciler(t, append(mounts, late)...)
+	for i := range early {
+		r.publish(fmt.Sprintf("/e%03d/", i), map[string]string{"key": "early"})
+	}
+	last := mounts[early-1].Name
+	r.wait(last, "held for the first reads", func(st MountStatus) bool { return !st.Projected && len(st.Waiting) == 0 })
 	time.Sleep(50 * time.Millisecond)
-	if got := r.read("early", "key"); got != "" {
-		t.Fatalf("early holds %q while late waits for its first snapshot; want nothing yet", got)
+	if got := r.read("early000", "key"); got != "" {
+		t.Fatalf("early000 holds %q while late waits for its first snapshot; want nothing yet", got)
 	}
 	r.publish("/l/", map[string]string{"key": "late"})
-	r.wait("early", "projected", projected)
+	for _, m := range mounts {
+		r.wait(m.Name, "projected", projected)
+	}
 	r.wait("late", "projected", projected)
 }
