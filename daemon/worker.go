@@ -355,8 +355,9 @@ func (w *worker) forward(ev reconcile.Event) {
 //
 // It looks at the mounts the populator says its Populate changed
 // (reconcile.ChangeReporter), at every mount only when the populator
-// built the desired state anew: at 1,000 mounts, two walks over every
-// mount on each update took tens of µs of the worker's CPU.
+// built the desired state anew: at 1,000 mounts a walk of every mount
+// was two thousand map lookups on each update (not measured apart; the
+// update beside 999 mounts is, BenchmarkPutToFileBeside999Mounts).
 func (w *worker) publish() error {
 	dsw := w.pop.Populate()
 	if w.takeChanged == nil {
