@@ -153,15 +153,24 @@ func (r *Reconciler) pass(now time.Time) (retryAt time.Time) {
 // say, or when a mount it names is new or gone.
 func (r *Reconciler) desiredChanged(dsw DesiredState) {
 	cr, ok := r.pop.(ChangeReporter)
-	if !ok || !cr.Changed(func(name string) {
-		_, desired := dsw[name]
-		if _, known := slices.BinarySearch(r.names, name); desired != known {
-			r.changes.markAll()
+	if !ok {
+		r.changes.markAll()
+		return
+	}
+	if r.markChanged == nil {
+		r.markChanged = func(name string) {
+			_, desired := r.changedIn[name]
+			if _, known := slices.BinarySearch(r.names, name); desired != known {
+				r.changes.markAll()
+			}
+			r.changes.mark(name)
 		}
-		r.changes.mark(name)
-	}) {
+	}
+	r.changedIn = dsw
+	if !cr.Changed(r.markChanged) {
 		r.changes.markAll()
 	}
+	r.changedIn = nil
 }
 
 // reportUnreported reports the status of the last pass, if that pass left

@@ -118,8 +118,13 @@ type Reconciler struct {
 	// status for later (statusEvery, loop.go).
 	reported   time.Time
 	unreported DesiredState
-	// changes are the mounts the next pass plans (changes.go).
-	changes *changes
+	// changes are the mounts the next pass plans (changes.go);
+	// markChanged marks those a Populate changed, in changedIn, its
+	// desired state (desiredChanged) — kept, so that a pass allocates
+	// no closure.
+	changes     *changes
+	markChanged func(name string)
+	changedIn   DesiredState
 }
 
 type reloadRequest struct {
